@@ -1,0 +1,222 @@
+"""Every touch of FSDP2 internals lives here, behind a torch-version guard.
+
+FSDP2 exposes no public way to read a unit's gather state, to find its param groups or to
+issue a prefetch on its side streams. Outside the tested torch range the scheduler still works
+through the public ``FSDPModule.unshard(async_op=True)``/``reshard()`` path, but cannot classify
+demands precisely, so it warns once.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+
+logger = logging.getLogger("fsdp_replay")
+
+TESTED_TORCH = ((2, 13),)
+"""(major, minor) releases whose FSDP2 internals this module was checked against."""
+
+
+def _torch_release() -> tuple[int, int]:
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+INTERNALS_OK = _torch_release() in TESTED_TORCH
+if INTERNALS_OK:
+    from torch.distributed._composable_state import _get_module_state
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+else:  # pragma: no cover - exercised only on untested torch releases
+    logger.warning(
+        "fsdp_replay: torch %s is outside the tested releases %s; using the public FSDP2 API only "
+        "(prefetch still works, hit/miss classification is approximate)",
+        torch.__version__,
+        TESTED_TORCH,
+    )
+
+
+def fsdp_state(module: nn.Module) -> Any:
+    """The FSDP2 state object shared by all modules of one ``fully_shard`` call."""
+    if not isinstance(module, FSDPModule):
+        return None
+    if INTERNALS_OK:
+        state = _get_module_state(module)
+        return state if isinstance(state, FSDPState) else None
+    return module  # pragma: no cover
+
+
+def state_modules(state: Any) -> tuple[nn.Module, ...]:
+    return tuple(state._modules) if INTERNALS_OK else (state,)
+
+
+def param_groups(state: Any) -> list[Any]:
+    return list(state._fsdp_param_groups) if INTERNALS_OK else []
+
+
+def has_params(state: Any) -> bool:
+    if INTERNALS_OK:
+        return bool(state._fsdp_param_groups)
+    return any(True for _ in state.parameters(recurse=False))  # pragma: no cover
+
+
+def unsharded_bytes(state: Any) -> int:
+    """Bytes of the unit's own parameters once all-gathered, in the dtype they are gathered in."""
+    total = 0
+    for group in param_groups(state):
+        for fsdp_param in group.fsdp_params:
+            dtype = getattr(fsdp_param, "param_dtype", None) or fsdp_param.sharded_param.dtype
+            total += fsdp_param._orig_size.numel() * dtype.itemsize
+    return total
+
+
+def is_root_initialized_as_child(state: Any) -> bool:
+    """True once FSDP2's lazy init has decided this state is *not* the root."""
+    return INTERNALS_OK and state._is_root is False
+
+
+def process_group(state: Any) -> Any:
+    """The process group the unit all-gathers over (what cross-rank checks must use)."""
+    if INTERNALS_OK and state._fsdp_param_groups:
+        return state._fsdp_param_groups[0]._all_gather_process_group
+    return None
+
+
+def device(state: Any) -> torch.device:
+    if INTERNALS_OK:
+        return state._device
+    return next(state.parameters()).device  # pragma: no cover
+
+
+# --- gather state, read at demand time ---------------------------------------------------------
+
+
+def is_pending(state: Any) -> bool:
+    """An all-gather was issued and not yet waited on."""
+    return INTERNALS_OK and any(g._all_gather_result is not None for g in state._fsdp_param_groups)
+
+
+def is_resident(state: Any) -> bool:
+    """Parameters are unsharded (no all-gather needed)."""
+    return INTERNALS_OK and all(g.is_unsharded for g in state._fsdp_param_groups)
+
+
+def is_sharded_idle(state: Any) -> bool:
+    """Neither resident nor pending: a use now would have to gather."""
+    return not is_pending(state) and not is_resident(state)
+
+
+def opens_forward(state: Any) -> bool:
+    """Whether this pre-forward starts a new forward pass of the unit (grouped units fire per module)."""
+    return not INTERNALS_OK or state._training_state != TrainingState.FORWARD
+
+
+def in_pre_backward(state: Any) -> bool:
+    return INTERNALS_OK and state._training_state == TrainingState.PRE_BACKWARD
+
+
+def completes_forward(state: Any, module: nn.Module) -> bool:
+    """Whether FSDP2's post-forward for ``module`` is the full one (reshard + pre-backward hooks).
+
+    A grouped ``fully_shard([a, b])`` finishes its forward only on the last module to run.
+    """
+    if not INTERNALS_OK or len(state._modules) == 1:
+        return True
+    pending = state._modules_to_run_forward
+    return len(pending) == 1 and module in pending
+
+
+def in_backward() -> bool:
+    """Inside an autograd graph task: a forward here is activation-checkpoint recompute."""
+    return torch._C._current_graph_task_id() != -1
+
+
+# --- issuing and releasing all-gathers --------------------------------------------------------
+
+
+def issue_unshard(state: Any, *, backward: bool) -> None:
+    """Start the unit's all-gather without waiting; FSDP2's own pre-hook waits at the point of use.
+
+    On accelerators FSDP2's prefetch path (training state set, side streams) overlaps best; on CPU
+    only ``async_op=True`` lets the gather run beside compute.
+    """
+    if not INTERNALS_OK:  # pragma: no cover
+        state.unshard(async_op=True)
+        return
+    cpu = state._device.type == "cpu"
+    if not cpu:
+        # Issued outside FSDP2's root pre-forward (e.g. right after optimizer.step()), so the
+        # side streams must first see the current stream's writes to the sharded parameters.
+        current = state._device_handle.current_stream()
+        for name in ("all_gather_copy_in_stream", "all_gather_stream"):
+            if (stream := getattr(state._comm_ctx, name, None)) is not None:
+                stream.wait_stream(current)
+    training_state = TrainingState.PRE_BACKWARD if backward else TrainingState.FORWARD
+    for group in state._fsdp_param_groups:
+        with group.use_training_state(training_state):
+            group.lazy_init()
+            group.unshard(async_op=True if cpu else group.unshard_async_op)
+
+
+def release(state: Any) -> None:
+    """Finish a pending gather and free it again, so no all-gather outlives its scope."""
+    if not INTERNALS_OK:  # pragma: no cover
+        return
+    for group in state._fsdp_param_groups:
+        if group._all_gather_result is not None:
+            group.wait_for_unshard()
+            group.reshard()
+
+
+# --- FSDP2's own prefetch, turned off while attached ----------------------------------------
+
+
+def own_prefetch_lists(state: Any) -> tuple[list[Any], list[Any]]:
+    return list(state._states_to_forward_prefetch), list(state._states_to_backward_prefetch)
+
+
+def disable_own_prefetch(state: Any) -> None:
+    """No explicit lists; a backward list holding the unit itself turns the implicit one off too."""
+    state._states_to_forward_prefetch = []
+    state._states_to_backward_prefetch = [state]
+
+
+def restore_own_prefetch(state: Any, saved: tuple[list[Any], list[Any]]) -> None:
+    state._states_to_forward_prefetch, state._states_to_backward_prefetch = (list(s) for s in saved)
+
+
+def ensure_lazy_init(root_state: Any) -> None:
+    """Run FSDP2's root lazy init (idempotent) so gathers can be issued before the first forward."""
+    if INTERNALS_OK:
+        root_state._lazy_init()
+
+
+def reset_iter_state(root: nn.Module) -> None:
+    """FSDP2's recovery after an exception aborted a forward or backward mid-flight."""
+    state = fsdp_state(root)
+    if state is not None and getattr(state, "_is_root", None):
+        root.reset_iter_state()
+
+
+def grad_tensors(tree: Any) -> Iterator[torch.Tensor]:
+    """Tensors in an (args, kwargs, output) structure that autograd will send gradients to."""
+    for leaf in tree_leaves(tree):
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+            yield leaf
+
+
+def replace_grad_tensors(tree: Any, fn: Callable[[list[torch.Tensor]], Sequence[torch.Tensor]]) -> Any:
+    """Pass all grad-requiring tensors through ``fn`` at once; None when there are none."""
+    leaves, spec = tree_flatten(tree)
+    positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
+    if not positions:
+        return None
+    for i, new in zip(positions, fn([leaves[i] for i in positions])):
+        leaves[i] = new
+    return tree_unflatten(leaves, spec)

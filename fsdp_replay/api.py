@@ -1,0 +1,70 @@
+"""Entry points: attach a scheduler to a root, find it again, and the drop-in ``fully_shard``."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+from fsdp_replay import _compat
+from fsdp_replay.config import PrefetchConfig
+from fsdp_replay.scheduler import PrefetchScheduler
+
+_SCHEDULERS: weakref.WeakKeyDictionary[nn.Module, PrefetchScheduler] = weakref.WeakKeyDictionary()
+
+
+def attach(root: nn.Module, config: PrefetchConfig | Mapping[str, Any] | None = None) -> PrefetchScheduler:
+    """Schedule the unshards of every fully_shard unit under ``root`` (the outermost FSDP2 module)."""
+    if not isinstance(root, FSDPModule):
+        raise TypeError(
+            f"attach() needs the root module returned by fully_shard (an FSDPModule), got {type(root).__name__}; "
+            "apply fully_shard to each block and then to the root first"
+        )
+    state = _compat.fsdp_state(root)
+    if state is None or _compat.is_root_initialized_as_child(state):
+        raise ValueError(
+            f"attach(): {type(root).__name__} is not a root FSDP2 module (FSDP2 initialized it as a child); "
+            "attach to the outermost fully_shard module"
+        )
+    if (existing := scheduler_of(root)) is not None:
+        raise RuntimeError(
+            f"a PrefetchScheduler (mode={existing.mode.name}) is already attached to this {type(root).__name__}; "
+            "call scheduler_of(root).detach() before attaching another"
+        )
+    for other_root, other in list(_SCHEDULERS.items()):
+        if other.attached and any(u.state is state for u in other.units):
+            raise RuntimeError(
+                f"attach(): this module is a unit of the scheduler already attached to {type(other_root).__name__}"
+            )
+    if config is None:
+        config = PrefetchConfig()
+    elif isinstance(config, Mapping):
+        config = PrefetchConfig(**config)
+    elif not isinstance(config, PrefetchConfig):
+        raise TypeError(f"attach(config=...) takes a PrefetchConfig, a mapping or None, got {type(config).__name__}")
+    scheduler = PrefetchScheduler(root, config)
+    _SCHEDULERS[root] = scheduler
+    return scheduler
+
+
+def scheduler_of(root: nn.Module) -> PrefetchScheduler | None:
+    """The scheduler attached to ``root``, or None (also after ``detach()``)."""
+    scheduler = _SCHEDULERS.get(root)
+    return scheduler if scheduler is not None and scheduler.attached else None
+
+
+def fully_shard(module: nn.Module | list[nn.Module], *, prefetch: PrefetchConfig | None = None, **kwargs: Any) -> Any:
+    """Drop-in for ``torch.distributed.fsdp.fully_shard``; ``prefetch=`` on the root call attaches a scheduler."""
+    if prefetch is not None and not isinstance(module, nn.Module):
+        raise ValueError(
+            "fully_shard(prefetch=...) belongs on the root call (one module); got a list of modules, "
+            "which forms a grouped unit"
+        )
+    sharded = torch_fully_shard(module, **kwargs)
+    if prefetch is not None:
+        attach(sharded, prefetch)
+    return sharded

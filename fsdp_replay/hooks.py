@@ -1,0 +1,155 @@
+"""Translate FSDP2 lifecycle points into scheduler events, with hooks only (no subclassing).
+
+Where each hook sits relative to FSDP2's own (see shared notes):
+- pre-forward, ``prepend=True`` and registered after FSDP2's, so it runs *before* FSDP2 unshards:
+  the demand is classified and the current unit's gather issued first;
+- post-forward ``prepend=True`` (before FSDP2's ``_post_forward``): output tensor hooks are added
+  ahead of FSDP2's pre-backward hooks, so a backward demand is seen before FSDP2 gathers;
+- post-forward appended (after FSDP2's reshard): a refill point;
+- an identity autograd function on the unit's inputs, applied before FSDP2 wraps them: its
+  backward runs right after FSDP2's post-backward (reshard) of that unit, another refill point;
+- an autograd-engine callback queued behind FSDP2's final callback: the end of a backward.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any, Callable, Protocol
+
+import torch
+import torch.nn as nn
+from torch.autograd import Variable
+from torch.utils.hooks import RemovableHandle
+
+from fsdp_replay import _compat
+from fsdp_replay.order import Phase
+from fsdp_replay.units import Unit
+
+
+class SchedulerEvents(Protocol):
+    """What the hooks report; implemented by :class:`~fsdp_replay.PrefetchScheduler`."""
+
+    def on_demand(self, unit: Unit, phase: Phase) -> None: ...
+    def on_reshard(self, unit: Unit) -> None: ...
+    def on_root_pre_forward(self) -> None: ...
+    def on_root_post_forward(self, *, backward_follows: bool, failed: bool) -> None: ...
+    def on_backward_end(self) -> None: ...
+
+
+class _AfterPostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward fires right after FSDP2's post-backward."""
+
+    @staticmethod
+    def forward(ctx: Any, callback: Callable[[], None], *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.callback = callback
+        return tensors
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.callback()
+        return (None, *grads)
+
+
+class _BackwardDemand:
+    """Shared by the outputs of one forward call: the first gradient to reach any of them is the demand."""
+
+    __slots__ = ("fired",)
+
+    def __init__(self) -> None:
+        self.fired = False
+
+
+class HookSet:
+    """All hooks one scheduler registered; ``remove()`` restores the modules as they were."""
+
+    def __init__(self, events: SchedulerEvents) -> None:
+        self._events = events
+        self._handles: list[RemovableHandle] = []
+        self._backward_end_queued = False
+
+    def __len__(self) -> int:
+        return len(self._handles)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    # --- registration --------------------------------------------------------------------------
+
+    def register_unit(self, unit: Unit) -> None:
+        for module in unit.modules():
+            self._handles += [
+                module.register_forward_pre_hook(
+                    functools.partial(self._on_pre_forward, unit), prepend=True, with_kwargs=True
+                ),
+                module.register_forward_hook(functools.partial(self._on_forward_output, unit), prepend=True),
+                module.register_forward_hook(functools.partial(self._on_post_forward, unit)),
+            ]
+
+    def register_root(self, root: nn.Module) -> None:
+        """Register last: among prepended pre-hooks the latest runs first, so scopes open before demands."""
+        self._handles += [
+            root.register_forward_pre_hook(self._on_root_pre_forward, prepend=True),
+            # always_call: an automatic scope must learn that its forward raised.
+            root.register_forward_hook(self._on_root_post_forward, always_call=True),
+        ]
+
+    # --- forward -------------------------------------------------------------------------------
+
+    def _on_root_pre_forward(self, module: nn.Module, args: Any) -> None:
+        if not _compat.in_backward():
+            self._events.on_root_pre_forward()
+
+    def _on_root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if _compat.in_backward():
+            return
+        failed = output is None and sys.exc_info()[1] is not None
+        follows = torch.is_grad_enabled() and any(True for _ in _compat.grad_tensors(output))
+        self._events.on_root_post_forward(backward_follows=follows, failed=failed)
+
+    def _on_pre_forward(self, unit: Unit, module: nn.Module, args: Any, kwargs: Any) -> Any:
+        state = unit.state
+        if not _compat.opens_forward(state):
+            return None  # a later module of a grouped unit: same forward pass, same demand
+        self._events.on_demand(unit, Phase.recompute if _compat.in_backward() else Phase.forward)
+        if not torch.is_grad_enabled() or _compat.in_pre_backward(state):
+            return None  # FSDP2 registers no post-backward here either
+        callback = functools.partial(self._events.on_reshard, unit)
+        return _compat.replace_grad_tensors(
+            (args, kwargs), lambda tensors: _AfterPostBackward.apply(callback, *tensors)
+        )
+
+    def _on_forward_output(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
+        state = unit.state
+        if not torch.is_grad_enabled() or _compat.in_pre_backward(state):
+            return  # FSDP2 skips its pre-backward hooks here, so there is no backward demand
+        if not _compat.completes_forward(state, module):
+            return
+        demand = _BackwardDemand()
+        for tensor in _compat.grad_tensors(output):
+            tensor.register_hook(functools.partial(self._on_output_grad, unit, demand))
+
+    def _on_post_forward(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
+        self._events.on_reshard(unit)
+
+    # --- backward ------------------------------------------------------------------------------
+
+    def _on_output_grad(self, unit: Unit, demand: _BackwardDemand, grad: torch.Tensor) -> None:
+        if demand.fired:
+            return
+        demand.fired = True
+        if not self._backward_end_queued:
+            self._backward_end_queued = True
+            Variable._execution_engine.queue_callback(self._requeue_backward_end)
+        self._events.on_demand(unit, Phase.backward)
+
+    def _requeue_backward_end(self) -> None:
+        # Queued before FSDP2's final callback (our tensor hook runs first); going to the back of
+        # the queue once puts the end-of-backward event after FSDP2's last reshards.
+        Variable._execution_engine.queue_callback(self._on_backward_end)
+
+    def _on_backward_end(self) -> None:
+        self._backward_end_queued = False
+        self._events.on_backward_end()

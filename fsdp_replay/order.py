@@ -1,0 +1,117 @@
+"""A recorded iteration: one flat sequence of demands, and the cursor that replays it."""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+from fsdp_replay.units import Unit
+
+
+class Phase(enum.Enum):
+    """Why a unit needed its parameters."""
+
+    forward = "forward"
+    backward = "backward"
+    recompute = "recompute"
+    """A forward re-run during backward by activation checkpointing."""
+
+    @property
+    def in_forward(self) -> bool:
+        """Recompute happens inside backward, so it prefetches with the backward depth."""
+        return self is Phase.forward
+
+
+@dataclass(frozen=True, eq=False)
+class Entry:
+    """One demand of a recorded iteration."""
+
+    unit: Unit
+    phase: Phase
+    needs_gather: bool
+    """The unit was sharded when this demand came while recording, so replay must gather for it.
+
+    Units that stay unsharded (the root, ``reshard_after_forward=False``) never take a slot.
+    """
+    segment: int = 0
+    """Backward passes finished before this demand in its scope. FSDP2 drops gathers still pending
+    when a backward finalizes, so replay never prefetches across a segment boundary."""
+
+    def matches(self, unit: Unit, phase: Phase) -> bool:
+        return self.unit is unit and self.phase is phase
+
+    def describe(self) -> str:
+        return f"({self.unit.fqn!r}, {self.phase.value!r})"
+
+
+class ExecutionOrder:
+    """An immutable recorded demand sequence; repeats and mixed phases included."""
+
+    def __init__(self, entries: Sequence[Entry]) -> None:
+        self.entries: tuple[Entry, ...] = tuple(entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __getitem__(self, position: int) -> Entry:
+        return self.entries[position]
+
+    def as_list(self) -> list[tuple[str, str]]:
+        return [(e.unit.fqn, e.phase.value) for e in self.entries]
+
+    def to_state(self) -> list[tuple[str, str, bool, int]]:
+        """A picklable form keyed by FQN, for checkpoints and cross-rank comparison."""
+        return [(e.unit.fqn, e.phase.value, e.needs_gather, e.segment) for e in self.entries]
+
+    @classmethod
+    def from_state(cls, items: Sequence[Sequence], units: dict[str, Unit]) -> ExecutionOrder:
+        entries = []
+        for position, (fqn, phase, needs_gather, segment) in enumerate(items):
+            if fqn not in units:
+                raise ValueError(
+                    f"recorded order entry {position} names unit {fqn!r}, which this model does not "
+                    f"have; units are {', '.join(units)}"
+                )
+            entries.append(Entry(units[fqn], Phase(phase), bool(needs_gather), int(segment)))
+        return cls(entries)
+
+    def digest(self) -> int:
+        """A 62-bit fingerprint that ranks compare instead of whole orders."""
+        h = hashlib.sha256()
+        for fqn, phase, needs_gather, segment in self.to_state():
+            h.update(f"{fqn}\0{phase}\0{int(needs_gather)}\0{segment}\n".encode())
+        return int.from_bytes(h.digest()[:8], "little") >> 2
+
+
+def first_difference(a: Sequence, b: Sequence) -> int:
+    """Position of the first differing item (the shorter length if one is a prefix of the other)."""
+    for position, (x, y) in enumerate(zip(a, b)):
+        if tuple(x) != tuple(y):
+            return position
+    return min(len(a), len(b))
+
+
+class Cursor:
+    """A monotonic position in an order: each demand is checked against ``expected`` then ``advance``d."""
+
+    def __init__(self, order: ExecutionOrder) -> None:
+        self.order = order
+        self.position = 0
+
+    @property
+    def expected(self) -> Entry | None:
+        return self.order[self.position] if self.position < len(self.order) else None
+
+    @property
+    def done(self) -> bool:
+        return self.position >= len(self.order)
+
+    def advance(self) -> None:
+        self.position += 1
+
+    def upcoming(self) -> Iterator[Entry]:
+        """Entries not yet demanded, nearest first."""
+        for position in range(self.position, len(self.order)):
+            yield self.order[position]

@@ -1,0 +1,86 @@
+"""Run a function on N gloo ranks (with a hang timeout), or in one process on the fake backend."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import socket
+import time
+import traceback
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, results: Any, args: tuple) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+        )
+        mesh = init_device_mesh("cpu", (world_size,))
+        results.put((rank, True, fn(mesh, *args)))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(fn: Callable[..., Any], *args: Any, world_size: int = 2, timeout_s: float = 240.0) -> list[Any]:
+    """``fn(mesh, *args)`` on every rank; returns the per-rank results.
+
+    A rank that raises fails the call with its traceback; ranks still running after
+    ``timeout_s`` are killed and reported as hung, so a deadlock fails fast instead of stalling CI.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, results, args)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    got: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(got) < world_size:
+            remaining = deadline - time.monotonic()
+            try:
+                rank, ok, payload = results.get(timeout=max(remaining, 0.01))
+            except queue.Empty:
+                missing = sorted(set(range(world_size)) - set(got))
+                raise TimeoutError(
+                    f"{fn.__qualname__} did not finish within {timeout_s:.0f}s on ranks {missing} (a hang?)"
+                ) from None
+            if not ok:
+                raise RuntimeError(f"{fn.__qualname__} failed on rank {rank}:\n{payload}")
+            got[rank] = payload
+    finally:
+        for p in procs:
+            p.join(timeout=10 if len(got) == world_size else 0.1)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [got[r] for r in range(world_size)]
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int) -> Iterator[DeviceMesh]:
+    """A single-process FSDP2 world on the fake backend: collectives are no-ops, ordering is real."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield init_device_mesh("cpu", (world_size,))
+    finally:
+        dist.destroy_process_group()

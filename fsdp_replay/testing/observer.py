@@ -1,0 +1,86 @@
+"""An independent witness: reads FSDP2's own state at each demand, without the scheduler's counters."""
+
+from __future__ import annotations
+
+import collections
+import functools
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed._composable_state import _get_module_state
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+
+def _gather_state(state: Any) -> str:
+    groups = state._fsdp_param_groups
+    if any(g._all_gather_result is not None for g in groups):
+        return "hit"
+    if all(g.is_unsharded for g in groups):
+        return "resident"
+    return "miss"
+
+
+class DemandObserver:
+    """Hooks that run before fsdp_replay's and FSDP2's, logging ``(fqn, phase, hit|miss|resident)``.
+
+    Register after attaching the scheduler: prepended hooks registered later run first.
+    """
+
+    def __init__(self, root: nn.Module) -> None:
+        self.log: list[tuple[str, str, str]] = []
+        self._handles = []
+        seen = set()
+        for name, module in root.named_modules():
+            if not isinstance(module, FSDPModule):
+                continue
+            state = _get_module_state(module)
+            if not state._fsdp_param_groups:
+                continue
+            label = name or "<root>"
+            if state in seen:
+                continue
+            seen.add(state)
+            for m in state._modules:
+                self._handles.append(
+                    m.register_forward_pre_hook(functools.partial(self._pre_forward, label, state), prepend=True)
+                )
+                self._handles.append(
+                    m.register_forward_hook(functools.partial(self._output, label, state, m), prepend=True)
+                )
+
+    def _pre_forward(self, label: str, state: Any, module: nn.Module, args: Any) -> None:
+        if state._training_state == TrainingState.FORWARD:
+            return
+        phase = "recompute" if torch._C._current_graph_task_id() != -1 else "forward"
+        self.log.append((label, phase, _gather_state(state)))
+
+    def _output(self, label: str, state: Any, owner: nn.Module, module: nn.Module, args: Any, output: Any) -> None:
+        if not torch.is_grad_enabled() or state._training_state == TrainingState.PRE_BACKWARD:
+            return
+        if len(state._modules) > 1 and state._modules_to_run_forward != {owner}:
+            return
+        fired = [False]
+
+        def hook(grad: torch.Tensor) -> None:
+            if not fired[0]:
+                fired[0] = True
+                self.log.append((label, "backward", _gather_state(state)))
+
+        outputs = output if isinstance(output, (tuple, list)) else (output,)
+        for t in outputs:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(hook)
+
+    def take(self) -> list[tuple[str, str, str]]:
+        log, self.log = self.log, []
+        return log
+
+    @staticmethod
+    def counts(log: list[tuple[str, str, str]]) -> dict[str, int]:
+        return dict(collections.Counter(kind for _, _, kind in log))
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()

@@ -1,0 +1,190 @@
+"""Canonical workloads whose call order defeats FSDP2's prefetch guess.
+
+Each workload builds a seeded model, shards it (one unit per block, root last), and runs one
+iteration: a schedule of microbatch forwards ``("F", i)`` and backwards ``("B", i)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import fully_shard
+from torch.utils.checkpoint import checkpoint
+
+Schedule = Sequence[tuple[str, int]]
+SEQUENTIAL: Schedule = (("F", 0), ("B", 0))
+ONE_F_ONE_B: Schedule = (("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("B", 2))
+
+
+class Block(nn.Module):
+    """A residual MLP block: enough compute to matter, nothing that hides numerics."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.silu(self.up(x)))
+
+
+class CallSequenceModel(nn.Module):
+    """Input projection, then blocks called in ``calls`` order (repeats = shared blocks), then a head.
+
+    ``checkpoint_spans`` are ``(start, stop)`` slices of ``calls`` run under non-reentrant
+    activation checkpointing, so their units are recomputed inside backward.
+    """
+
+    def __init__(
+        self,
+        *,
+        dim: int,
+        hidden: int,
+        n_blocks: int,
+        calls: Sequence[int],
+        checkpoint_spans: Sequence[tuple[int, int]] = (),
+    ) -> None:
+        super().__init__()
+        self.inp = nn.Linear(dim, dim)
+        self.blocks = nn.ModuleList(Block(dim, hidden) for _ in range(n_blocks))
+        self.head = nn.Linear(dim, 1)
+        self.calls = list(calls)
+        self.checkpoint_spans = sorted(checkpoint_spans)
+
+    def _run(self, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        for i in self.calls[start:stop]:
+            x = self.blocks[i](x)
+        return x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        position = 0
+        for start, stop in self.checkpoint_spans:
+            x = self._run(x, position, start)
+            x = checkpoint(self._run, x, start, stop, use_reentrant=False)
+            position = stop
+        x = self._run(x, position, len(self.calls))
+        return self.head(x).square().mean()
+
+    def shard(self, mesh, **kwargs) -> nn.Module:
+        for block in self.blocks:
+            fully_shard(block, mesh=mesh, **kwargs)
+        return fully_shard(self, mesh=mesh, **kwargs)
+
+
+class TiedLM(nn.Module):
+    """Token embedding and output head sharing one weight, sharded as one grouped unit."""
+
+    def __init__(self, *, vocab: int, dim: int, hidden: int, n_blocks: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(Block(dim, hidden) for _ in range(n_blocks))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens[:, :-1])
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.norm(x))
+        return nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+
+    def shard(self, mesh, **kwargs) -> nn.Module:
+        fully_shard([self.embed, self.head], mesh=mesh, **kwargs)
+        for block in self.blocks:
+            fully_shard(block, mesh=mesh, **kwargs)
+        return fully_shard(self, mesh=mesh, **kwargs)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A model factory, the inputs of one iteration, and the microbatch schedule."""
+
+    name: str
+    make_model: Callable[[], nn.Module]
+    make_batch: Callable[[int, int], torch.Tensor]
+    """(step, microbatch) -> input tensor, identical on every rank."""
+    schedule: Schedule = SEQUENTIAL
+    notes: str = field(default="", compare=False)
+
+    @property
+    def microbatches(self) -> int:
+        return 1 + max(mb for _, mb in self.schedule)
+
+
+def run_iteration(model: nn.Module, workload: Workload, step: int) -> list[float]:
+    """Forwards and backwards in schedule order; returns each microbatch's loss."""
+    losses: dict[int, torch.Tensor] = {}
+    for op, mb in workload.schedule:
+        if op == "F":
+            losses[mb] = model(workload.make_batch(step, mb))
+        else:
+            losses[mb].backward()
+    return [losses[mb].item() for mb in sorted(losses)]
+
+
+def _dense_batch(dim: int, rows: int) -> Callable[[int, int], torch.Tensor]:
+    def make(step: int, mb: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(1000 * step + mb)
+        return torch.randn(rows, dim, generator=g)
+
+    return make
+
+
+def _token_batch(vocab: int, rows: int, seq: int) -> Callable[[int, int], torch.Tensor]:
+    def make(step: int, mb: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(1000 * step + mb)
+        return torch.randint(0, vocab, (rows, seq), generator=g)
+
+    return make
+
+
+def _seeded(factory: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return factory()
+
+    return make
+
+
+def canonical_workloads(*, dim: int = 32, hidden: int = 64, n_blocks: int = 4, rows: int = 8) -> list[Workload]:
+    """The six workload shapes of the acceptance suite and the benchmark, in one place."""
+
+    def seq_model(calls: Sequence[int], spans: Sequence[tuple[int, int]] = ()) -> Callable[[], nn.Module]:
+        return _seeded(
+            lambda: CallSequenceModel(dim=dim, hidden=hidden, n_blocks=n_blocks, calls=calls, checkpoint_spans=spans)
+        )
+
+    dense = _dense_batch(dim, rows)
+    in_order = list(range(n_blocks))
+    out_of_order = [*range(1, n_blocks, 2), *range(0, n_blocks, 2)][::-1]  # 4 blocks: [2, 0, 3, 1]
+    shared = [0, 1, 1, 1, *range(2, n_blocks)]
+    vocab = 64
+    return [
+        Workload("sequential", seq_model(in_order), dense),
+        Workload("out_of_order", seq_model(out_of_order), dense, notes=f"calls {out_of_order}"),
+        Workload("shared_block", seq_model(shared), dense, notes="block 1 called 3 times"),
+        Workload(
+            "checkpointed",
+            seq_model(in_order, [(0, n_blocks // 2), (n_blocks // 2, n_blocks)]),
+            dense,
+            notes="two checkpoint regions of several units",
+        ),
+        Workload("interleaved_1f1b", seq_model(in_order), dense, schedule=ONE_F_ONE_B),
+        Workload(
+            "tied_embedding",
+            _seeded(lambda: TiedLM(vocab=vocab, dim=dim, hidden=hidden, n_blocks=n_blocks)),
+            _token_batch(vocab, rows, 9),
+        ),
+    ]
+
+
+def workload(name: str, **sizes: int) -> Workload:
+    by_name = {w.name: w for w in canonical_workloads(**sizes)}
+    if name not in by_name:
+        raise ValueError(f"unknown workload {name!r}; workloads are {', '.join(by_name)}")
+    return by_name[name]

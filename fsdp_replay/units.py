@@ -1,0 +1,71 @@
+"""The fully_shard units under a root, held by weak reference."""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch.nn as nn
+
+from fsdp_replay import _compat
+
+
+@dataclass(eq=False)
+class Unit:
+    """One ``fully_shard`` call's parameter group(s); grouped ``fully_shard([a, b])`` is one unit."""
+
+    fqn: str
+    """Module name(s) under the root, e.g. ``"layers.0"`` or ``"tok_embeddings+output"``."""
+    index: int
+    """Position in module-tree order (the ``static`` mode's forward order)."""
+    unsharded_bytes: int
+    """Bytes the unit occupies once all-gathered (what ``max_prefetch_bytes`` budgets)."""
+    _state: weakref.ref
+    _modules: tuple[weakref.ref, ...]
+
+    @property
+    def state(self) -> Any:
+        state = self._state()
+        if state is None:
+            raise RuntimeError(f"fsdp_replay: unit {self.fqn!r} was garbage collected")
+        return state
+
+    def modules(self) -> list[nn.Module]:
+        return [m for ref in self._modules if (m := ref()) is not None]
+
+    def __repr__(self) -> str:
+        return f"Unit({self.fqn!r})"
+
+
+def discover_units(root: nn.Module) -> list[Unit]:
+    """Every FSDP2 unit with parameters in ``root``'s tree, in module-tree order, deduplicated.
+
+    Units without parameters of their own need no all-gather, so they are not scheduled.
+    """
+    names: dict[Any, list[str]] = {}
+    order: list[Any] = []
+    for name, module in root.named_modules():
+        state = _compat.fsdp_state(module)
+        if state is None:
+            continue
+        if state not in names:
+            names[state] = []
+            order.append(state)
+        names[state].append(name or "<root>")
+    units = []
+    for state in order:
+        if not _compat.has_params(state):
+            continue
+        modules = _compat.state_modules(state)
+        units.append(
+            Unit(
+                fqn="+".join(names[state]),
+                index=len(units),
+                unsharded_bytes=_compat.unsharded_bytes(state),
+                _state=weakref.ref(state),
+                _modules=tuple(weakref.ref(m) for m in modules),
+            )
+        )
+    return units
+
