@@ -14,7 +14,9 @@ from fsdp_replay import _compat
 from fsdp_replay.config import PrefetchConfig
 from fsdp_replay.scheduler import PrefetchScheduler
 
-_SCHEDULERS: weakref.WeakKeyDictionary[nn.Module, PrefetchScheduler] = weakref.WeakKeyDictionary()
+_ATTRIBUTE = "_fsdp_replay_scheduler"
+"""The root owns its scheduler (a global registry would keep it alive one gc pass too long)."""
+_ATTACHED: weakref.WeakSet[PrefetchScheduler] = weakref.WeakSet()
 
 
 def attach(root: nn.Module, config: PrefetchConfig | Mapping[str, Any] | None = None) -> PrefetchScheduler:
@@ -35,11 +37,9 @@ def attach(root: nn.Module, config: PrefetchConfig | Mapping[str, Any] | None = 
             f"a PrefetchScheduler (mode={existing.mode.name}) is already attached to this {type(root).__name__}; "
             "call scheduler_of(root).detach() before attaching another"
         )
-    for other_root, other in list(_SCHEDULERS.items()):
-        if other.attached and any(u.state is state for u in other.units):
-            raise RuntimeError(
-                f"attach(): this module is a unit of the scheduler already attached to {type(other_root).__name__}"
-            )
+    for other in list(_ATTACHED):
+        if other.attached and any(u._state() is state for u in other.units):
+            raise RuntimeError("attach(): this module is a unit of a scheduler already attached to an outer root")
     if config is None:
         config = PrefetchConfig()
     elif isinstance(config, Mapping):
@@ -47,13 +47,14 @@ def attach(root: nn.Module, config: PrefetchConfig | Mapping[str, Any] | None = 
     elif not isinstance(config, PrefetchConfig):
         raise TypeError(f"attach(config=...) takes a PrefetchConfig, a mapping or None, got {type(config).__name__}")
     scheduler = PrefetchScheduler(root, config)
-    _SCHEDULERS[root] = scheduler
+    setattr(root, _ATTRIBUTE, scheduler)
+    _ATTACHED.add(scheduler)
     return scheduler
 
 
 def scheduler_of(root: nn.Module) -> PrefetchScheduler | None:
     """The scheduler attached to ``root``, or None (also after ``detach()``)."""
-    scheduler = _SCHEDULERS.get(root)
+    scheduler = getattr(root, _ATTRIBUTE, None)
     return scheduler if scheduler is not None and scheduler.attached else None
 
 

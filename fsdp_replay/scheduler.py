@@ -343,23 +343,28 @@ class PrefetchScheduler:
     # --- prefetch --------------------------------------------------------------------------------
 
     def _refill(self, scope: _Scope) -> None:
-        """Keep the next ``depth`` entries that need a gather issued, nearest first.
+        """Keep the next ``depth`` entries that need a gather issued, strictly nearest first.
 
-        An entry whose unit is still in use (it is resharded before that use) holds its slot
-        until the reshard, when this runs again.
+        An entry whose unit is still in use (FSDP2 reshards it before that use) stops the scan
+        until the reshard, when this runs again: issuing later entries first would queue them
+        ahead of it on the communicator and, under a byte cap, starve it.
         """
         if scope.cursor is None or scope.demand_only:
             return
         depth = self.config.depth(scope.in_forward)
-        slots = 0
+        scanned: set[Unit] = set()
         for entry in scope.cursor.upcoming():
-            if slots >= depth or entry.segment > scope.segment:
+            if len(scanned) >= depth or entry.segment > scope.segment:
                 return
             if not entry.needs_gather:
                 continue
-            slots += 1
+            if entry.unit in scanned:
+                return  # its next gather can only follow the reshard after the earlier use
+            scanned.add(entry.unit)
+            if entry.unit in self._window:
+                continue  # already in flight for this entry
             if not _compat.is_sharded_idle(entry.unit.state):
-                continue
+                return  # in use now: gathered for the current demand, resharded before this one
             if not self._window.fits(entry.unit):
                 return
             if self._window.prefetch(entry.unit, backward=not entry.phase.in_forward):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import queue
 import socket
@@ -30,7 +31,10 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, resul
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
         )
         mesh = init_device_mesh("cpu", (world_size,))
-        results.put((rank, True, fn(mesh, *args)))
+        # Serialized here: tensors sent as-is would be shared-memory handles that die with this process.
+        buffer = io.BytesIO()
+        torch.save(fn(mesh, *args), buffer)
+        results.put((rank, True, buffer.getvalue()))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -64,7 +68,7 @@ def spawn(fn: Callable[..., Any], *args: Any, world_size: int = 2, timeout_s: fl
                 ) from None
             if not ok:
                 raise RuntimeError(f"{fn.__qualname__} failed on rank {rank}:\n{payload}")
-            got[rank] = payload
+            got[rank] = torch.load(io.BytesIO(payload), weights_only=False)
     finally:
         for p in procs:
             p.join(timeout=10 if len(got) == world_size else 0.1)

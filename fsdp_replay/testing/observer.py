@@ -31,17 +31,12 @@ class DemandObserver:
     def __init__(self, root: nn.Module) -> None:
         self.log: list[tuple[str, str, str]] = []
         self._handles = []
-        seen = set()
+        names: dict[Any, list[str]] = {}
         for name, module in root.named_modules():
-            if not isinstance(module, FSDPModule):
-                continue
-            state = _get_module_state(module)
-            if not state._fsdp_param_groups:
-                continue
-            label = name or "<root>"
-            if state in seen:
-                continue
-            seen.add(state)
+            if isinstance(module, FSDPModule) and (state := _get_module_state(module))._fsdp_param_groups:
+                names.setdefault(state, []).append(name or "<root>")
+        for state, labels in names.items():
+            label = "+".join(labels)
             for m in state._modules:
                 self._handles.append(
                     m.register_forward_pre_hook(functools.partial(self._pre_forward, label, state), prepend=True)

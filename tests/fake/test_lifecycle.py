@@ -1,0 +1,138 @@
+"""Attach/detach, weak references, and bad input on the Python API."""
+
+import gc
+import weakref
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fsdp_replay
+from fsdp_replay import PrefetchConfig, attach, scheduler_of
+from fsdp_replay.testing.observer import DemandObserver
+from fsdp_replay.testing.workloads import run_iteration, workload
+
+
+def _sharded(mesh, name="sequential"):
+    w = workload(name)
+    return w, w.make_model().shard(mesh)
+
+
+def _hook_counts(model):
+    return [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in model.modules()]
+
+
+def test_fully_shard_wrapper_attaches_on_the_root_call(mesh8):
+    w = workload("sequential")
+    model = w.make_model()
+    for block in model.blocks:
+        fsdp_replay.fully_shard(block, mesh=mesh8)
+    root = fsdp_replay.fully_shard(model, mesh=mesh8, prefetch=PrefetchConfig(mode="static"))
+    assert scheduler_of(root).mode.name == "static"
+    assert scheduler_of(root.blocks[0]) is None
+
+
+def test_prefetch_on_a_grouped_call_is_rejected(mesh8):
+    with pytest.raises(ValueError, match="root call"):
+        fsdp_replay.fully_shard([nn.Linear(2, 2), nn.Linear(2, 2)], mesh=mesh8, prefetch=PrefetchConfig())
+
+
+def test_attach_rejects_non_fsdp_modules_twice_attached_and_children(mesh8):
+    with pytest.raises(TypeError, match="got Linear"):
+        attach(nn.Linear(2, 2))
+    w, model = _sharded(mesh8)
+    attach(model)
+    with pytest.raises(RuntimeError, match="already attached"):
+        attach(model)
+    with pytest.raises(RuntimeError, match="is a unit of a scheduler already attached"):
+        attach(model.blocks[0])
+    with pytest.raises(TypeError, match="takes a PrefetchConfig"):
+        attach(_sharded(mesh8)[1], config="static")
+
+
+def test_attach_to_a_child_is_caught_once_fsdp2_has_picked_the_root(mesh8):
+    w, model = _sharded(mesh8)
+    run_iteration(model, w, 0)  # FSDP2 lazy init: the outer module is the root
+    with pytest.raises(ValueError, match="not a root FSDP2 module"):
+        attach(model.blocks[1])
+
+
+def test_attach_accepts_a_mapping_and_validates_it(mesh8):
+    w, model = _sharded(mesh8)
+    with pytest.raises(ValueError, match="forward_prefetch must be an integer >= 0"):
+        attach(model, {"forward_prefetch": -1})
+    assert attach(model, {"mode": "demand"}).mode.name == "demand"
+
+
+def test_nested_scopes_and_reserved_keys_are_rejected(mesh8):
+    w, model = _sharded(mesh8)
+    sched = attach(model)
+    with pytest.raises(RuntimeError, match=r"iteration\(key='inner'\) opened inside iteration\(key='outer'\)"):
+        with sched.iteration("outer"), sched.iteration("inner"):
+            pass
+    for bad in ("", "auto:grad", 3):
+        with pytest.raises(ValueError, match="non-empty string"):
+            with sched.iteration(bad):
+                pass
+
+
+def test_detach_restores_hooks_and_fsdp2_prefetch_settings(mesh8):
+    w, model = _sharded(mesh8)
+    model.blocks[0].set_modules_to_forward_prefetch([model.blocks[1]])
+    before_hooks = _hook_counts(model)
+    state0 = model.blocks[0]._get_fsdp_state()
+    before_lists = (list(state0._states_to_forward_prefetch), list(state0._states_to_backward_prefetch))
+    sched = attach(model)
+    assert state0._states_to_forward_prefetch == [] and state0._states_to_backward_prefetch == [state0]
+    with sched.iteration("train"):
+        run_iteration(model, w, 0)
+    sched.detach()
+    assert _hook_counts(model) == before_hooks
+    assert (state0._states_to_forward_prefetch, state0._states_to_backward_prefetch) == before_lists
+    assert scheduler_of(model) is None
+    with pytest.raises(RuntimeError, match="detached"):
+        with sched.iteration("train"):
+            pass
+    attach(model).detach()  # attaching again after detach is allowed
+
+
+def test_detached_model_behaves_like_plain_fsdp2(mesh8):
+    w, plain = _sharded(mesh8)
+    w, model = _sharded(mesh8)
+    attach(model).detach()
+    logs = []
+    for m in (plain, model):
+        observer = DemandObserver(m)
+        run_iteration(m, w, 0)
+        logs.append(observer.take())
+    assert logs[0] == logs[1]  # FSDP2's own implicit backward prefetch is back
+
+
+def test_deleting_the_model_frees_it_and_its_scheduler(mesh8):
+    w, model = _sharded(mesh8, "shared_block")
+    sched = attach(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        with sched.iteration("train"):
+            run_iteration(model, w, step)
+        opt.step()
+    run_iteration(model, w, 2)  # an automatic scope too
+    model_ref, sched_ref = weakref.ref(model), weakref.ref(sched)
+    del model, sched, opt
+    gc.collect()
+    assert model_ref() is None and sched_ref() is None
+
+
+def test_optimizer_step_inside_a_scope_releases_pending_prefetches(mesh8, caplog):
+    w, model = _sharded(mesh8, "interleaved_1f1b")
+    sched = attach(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with sched.iteration("train"):
+        run_iteration(model, w, 0)
+    with sched.iteration("train"):
+        losses = {mb: model(w.make_batch(1, mb)) for mb in range(2)}
+        losses[0].backward()
+        opt.step()  # misuse: would otherwise leave the next forward's gathers pending across the step
+        assert all(g._all_gather_result is None for u in sched.units for g in u.state._fsdp_param_groups)
+        losses[1].backward()
+    assert any("optimizer.step() inside iteration" in r.message for r in caplog.records)

@@ -1,0 +1,174 @@
+"""Acceptance 7: ordering logic in one process on the fake backend at world size 8 and 64."""
+
+import pytest
+import torch
+
+from fsdp_replay import PrefetchConfig, attach
+from fsdp_replay.testing.observer import DemandObserver
+from fsdp_replay.testing.workloads import CallSequenceModel, ONE_F_ONE_B, run_iteration, workload
+
+
+def _replay(mesh, name, config=None, steps=3):
+    w = workload(name)
+    model = w.make_model().shard(mesh)
+    sched = attach(model, config or PrefetchConfig())
+    observer = DemandObserver(model)
+    logs = []
+    for step in range(steps):
+        with sched.iteration("train"):
+            run_iteration(model, w, step)
+        logs.append(observer.take())
+    return sched, logs
+
+
+def test_shared_block_records_one_demand_per_call_in_each_direction(mesh):
+    sched, _ = _replay(mesh, "shared_block")
+    order = sched.recorded_order("train")
+    assert order.count(("blocks.1", "forward")) == 3 and order.count(("blocks.1", "backward")) == 3
+    forward = [fqn for fqn, phase in order if phase == "forward"]
+    assert forward == ["<root>", "blocks.0", "blocks.1", "blocks.1", "blocks.1", "blocks.2", "blocks.3"]
+
+
+def test_out_of_order_calls_are_recorded_as_called(mesh):
+    sched, _ = _replay(mesh, "out_of_order")
+    order = sched.recorded_order("train")
+    assert [f for f, p in order if p == "forward"] == ["<root>", "blocks.2", "blocks.0", "blocks.3", "blocks.1"]
+    assert [f for f, p in order if p == "backward"] == ["<root>", "blocks.1", "blocks.3", "blocks.0", "blocks.2"]
+
+
+def test_checkpoint_recompute_is_its_own_phase_inside_backward(mesh):
+    sched, _ = _replay(mesh, "checkpointed")
+    order = sched.recorded_order("train")
+    recompute = [f for f, p in order if p == "recompute"]
+    assert sorted(recompute) == ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]
+    first_backward = next(i for i, (_, p) in enumerate(order) if p == "backward")
+    assert all(i > first_backward for i, (_, p) in enumerate(order) if p == "recompute")
+
+
+def test_interleaved_microbatches_form_one_flat_order(mesh):
+    sched, logs = _replay(mesh, "interleaved_1f1b")
+    phases = [p for _, p in sched.recorded_order("train")]
+    runs = [phases[0]]
+    for p in phases[1:]:
+        if p != runs[-1]:
+            runs.append(p)
+    assert runs == ["forward", "backward", "forward", "backward"]  # F0 F1 | B0 | F2 | B1 B2
+    assert all(kind in ("hit", "resident") for log in logs[1:] for _, _, kind in log)
+
+
+@pytest.mark.parametrize("name", ["sequential", "out_of_order", "shared_block", "checkpointed", "tied_embedding"])
+def test_replay_observed_hits_at_large_world_sizes(mesh, name):
+    sched, logs = _replay(mesh, name)
+    assert all(kind in ("hit", "resident") for log in logs[1:] for _, _, kind in log), logs[1:]
+    assert sched.stats.divergences == 0
+
+
+def test_depth_zero_prefetches_nothing_but_still_replays(mesh8):
+    sched, logs = _replay(mesh8, "sequential", PrefetchConfig(forward_prefetch=0, backward_prefetch=0))
+    assert sched.stats.prefetches == 0 and sched.stats.divergences == 0
+
+
+def test_deeper_window_keeps_more_units_in_flight(mesh8):
+    w = workload("sequential", n_blocks=6)
+    model = w.make_model().shard(mesh8)
+    sched = attach(model, PrefetchConfig(forward_prefetch=3))
+    in_flight = []
+
+    def count_pending(module, args):
+        groups = [g for m in model.modules() if hasattr(m, "_get_fsdp_state") for g in m._get_fsdp_state()._fsdp_param_groups]
+        in_flight.append(sum(g._all_gather_result is not None for g in set(groups)))
+
+    for step in range(2):
+        in_flight.clear()
+        handle = model.blocks[1].register_forward_pre_hook(count_pending)
+        with sched.iteration("train"):
+            run_iteration(model, w, step)
+        handle.remove()
+    assert in_flight == [3]  # blocks 1, 2, 3 gathered ahead when block 1 is demanded
+
+
+def test_byte_cap_limits_lookahead_but_keeps_one_unit_in_flight(mesh8):
+    w = workload("sequential", n_blocks=6)
+    model = w.make_model().shard(mesh8)
+    sched = attach(model, PrefetchConfig(forward_prefetch=4, backward_prefetch=4, max_prefetch_bytes=1))
+    observer = DemandObserver(model)
+    for step in range(3):
+        with sched.iteration("train"):
+            run_iteration(model, w, step)
+    log = observer.take()
+    assert sched.stats.prefetches > 0
+    assert all(kind in ("hit", "resident") for _, _, kind in log[-len(log) // 3 :])
+    assert sched._window.bytes_ahead == 0
+
+
+def test_static_order_is_module_tree_order_and_its_reverse(mesh8):
+    w = workload("out_of_order")
+    model = w.make_model().shard(mesh8)
+    sched = attach(model, PrefetchConfig(mode="static"))
+    assert [u.fqn for u in sched.units] == ["<root>", "blocks.0", "blocks.1", "blocks.2", "blocks.3"]
+    with sched.iteration("train"):
+        run_iteration(model, w, 0)
+    assert sched.stats.wasted > 0 or sched.stats.misses > 1
+    assert sched.recorded_order("train") is None
+
+
+def test_keys_keep_independent_orders_and_no_grad_gets_its_own_auto_key(mesh8):
+    w = workload("sequential")
+    model = w.make_model().shard(mesh8)
+    sched = attach(model, PrefetchConfig())
+    for step in range(2):
+        with sched.iteration("train"):
+            run_iteration(model, w, step)
+        with sched.iteration("eval"), torch.no_grad():
+            model(w.make_batch(step, 0))
+    with torch.no_grad():
+        model(w.make_batch(0, 0))
+    run_iteration(model, w, 0)
+    assert len(sched.recorded_order("eval")) == 5 and len(sched.recorded_order("train")) == 10
+    assert sched.recorded_order("auto:no_grad") == sched.recorded_order("eval")
+    assert sched.recorded_order("auto:grad") == sched.recorded_order("train")
+    assert sched.stats.divergences == 0 and sched.stats.per_key["eval"].hits > 0
+
+
+def test_rerecord_and_invalidate_force_a_fresh_recording(mesh8):
+    w = workload("sequential")
+    model = w.make_model().shard(mesh8)
+    sched = attach(model, PrefetchConfig())
+    with sched.iteration("train"):
+        run_iteration(model, w, 0)
+    with sched.iteration("train", rerecord=True):
+        run_iteration(model, w, 1)
+    assert sched.stats.recordings == 2 and sched.stats.hits == 0
+    sched.invalidate("train")
+    assert sched.recorded_order("train") is None
+    with sched.iteration("train"):
+        run_iteration(model, w, 2)
+    assert sched.stats.recordings == 3
+
+
+def test_scope_end_before_order_is_consumed_is_a_divergence(mesh8, caplog):
+    w = workload("sequential")
+    model = w.make_model().shard(mesh8)
+    sched = attach(model, PrefetchConfig())
+    with sched.iteration("train"):
+        run_iteration(model, w, 0)
+    with sched.iteration("train"):
+        model(w.make_batch(1, 0))  # forward only: the recorded backward never comes
+    assert sched.stats.divergences == 1 and sched.recorded_order("train") is None
+    assert sum("invalidated the recorded order of 'train'" in r.message for r in caplog.records) == 1
+    assert all(g._all_gather_result is None for u in sched.units for g in u.state._fsdp_param_groups)
+
+
+def test_state_dict_restores_orders_for_replay_from_the_first_step(mesh8):
+    w = workload("shared_block")
+    first = w.make_model().shard(mesh8)
+    sched = attach(first, PrefetchConfig())
+    with sched.iteration("train"):
+        run_iteration(first, w, 0)
+    saved = sched.state_dict()
+    second = w.make_model().shard(mesh8)
+    resumed = attach(second, PrefetchConfig())
+    resumed.load_state_dict(saved)
+    with resumed.iteration("train"):
+        run_iteration(second, w, 1)
+    assert resumed.stats.recordings == 0 and resumed.stats.misses == 0 and resumed.stats.divergences == 0

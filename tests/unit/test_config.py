@@ -1,0 +1,43 @@
+import pytest
+
+from fsdp_replay import PrefetchConfig, PrefetchMode
+
+
+def test_defaults_are_record_and_replay_depth_one():
+    config = PrefetchConfig()
+    assert config.mode is PrefetchMode.record_and_replay
+    assert (config.forward_prefetch, config.backward_prefetch) == (1, 1)
+    assert config.max_prefetch_bytes is None and config.check_ranks and config.on_divergence == "fallback"
+
+
+def test_mode_accepts_member_names_as_users_type_them():
+    for name in ("static", "record_and_replay", "demand"):
+        assert PrefetchConfig(mode=name).mode is PrefetchMode[name]
+
+
+def test_unknown_mode_names_value_and_valid_modes():
+    with pytest.raises(ValueError, match=r"'fast'.*static, record_and_replay, demand"):
+        PrefetchConfig(mode="fast")
+
+
+@pytest.mark.parametrize("field", ["forward_prefetch", "backward_prefetch"])
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "2"])
+def test_negative_or_non_integer_depth_is_rejected(field, bad):
+    with pytest.raises(ValueError, match=rf"{field} must be an integer >= 0.*{bad!r}"):
+        PrefetchConfig(**{field: bad})
+
+
+@pytest.mark.parametrize("bad", [0, -5, 2.0])
+def test_non_positive_byte_cap_is_rejected(bad):
+    with pytest.raises(ValueError, match="max_prefetch_bytes must be a positive integer"):
+        PrefetchConfig(max_prefetch_bytes=bad)
+
+
+def test_unknown_divergence_policy_lists_valid_ones():
+    with pytest.raises(ValueError, match=r"'ignore'.*fallback, raise"):
+        PrefetchConfig(on_divergence="ignore")
+
+
+def test_depth_follows_phase():
+    config = PrefetchConfig(forward_prefetch=2, backward_prefetch=3)
+    assert config.depth(in_forward=True) == 2 and config.depth(in_forward=False) == 3

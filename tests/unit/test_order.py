@@ -1,0 +1,79 @@
+import weakref
+
+import pytest
+
+from fsdp_replay.order import Cursor, Entry, ExecutionOrder, Phase, first_difference
+from fsdp_replay.stats import PrefetchStats
+from fsdp_replay.units import Unit
+
+
+class _State:
+    """Stands in for an FSDP2 state: units only hold it by weak reference."""
+
+
+def _units(*names):
+    states = [_State() for _ in names]
+    units = [Unit(n, i, 100, weakref.ref(s), ()) for i, (n, s) in enumerate(zip(names, states))]
+    return units, states
+
+
+def test_order_keeps_repeats_and_mixed_phases_in_sequence():
+    (a, b), _ = _units("a", "b")
+    order = ExecutionOrder(
+        [Entry(a, Phase.forward, True), Entry(b, Phase.forward, True), Entry(a, Phase.forward, True),
+         Entry(a, Phase.backward, True), Entry(b, Phase.recompute, False)]
+    )
+    assert order.as_list() == [("a", "forward"), ("b", "forward"), ("a", "forward"), ("a", "backward"), ("b", "recompute")]
+
+
+def test_cursor_checks_and_advances_monotonically():
+    (a, b), _ = _units("a", "b")
+    cursor = Cursor(ExecutionOrder([Entry(a, Phase.forward, True), Entry(b, Phase.backward, True)]))
+    assert cursor.expected.matches(a, Phase.forward) and not cursor.expected.matches(a, Phase.backward)
+    cursor.advance()
+    assert [e.unit for e in cursor.upcoming()] == [b]
+    cursor.advance()
+    assert cursor.done and cursor.expected is None and list(cursor.upcoming()) == []
+
+
+def test_state_round_trip_and_digest_are_stable():
+    (a, b), _ = _units("a", "b")
+    order = ExecutionOrder([Entry(a, Phase.forward, True, 0), Entry(b, Phase.backward, False, 1)])
+    restored = ExecutionOrder.from_state(order.to_state(), {"a": a, "b": b})
+    assert restored.to_state() == order.to_state()
+    assert restored.digest() == order.digest() and 0 <= order.digest() < 2**62
+
+
+def test_digest_sees_phase_and_gather_need():
+    (a,), _ = _units("a")
+    base = ExecutionOrder([Entry(a, Phase.forward, True)]).digest()
+    assert ExecutionOrder([Entry(a, Phase.recompute, True)]).digest() != base
+    assert ExecutionOrder([Entry(a, Phase.forward, False)]).digest() != base
+
+
+def test_from_state_names_unknown_unit():
+    (a,), _ = _units("a")
+    with pytest.raises(ValueError, match=r"'zz'.*units are a"):
+        ExecutionOrder.from_state([("zz", "forward", True, 0)], {"a": a})
+
+
+def test_first_difference_handles_prefixes():
+    assert first_difference([(1,), (2,)], [(1,), (3,)]) == 1
+    assert first_difference([(1,)], [(1,), (2,)]) == 1
+
+
+def test_units_hold_their_state_weakly():
+    (a,), states = _units("a")
+    del states[:]
+    with pytest.raises(RuntimeError, match="garbage collected"):
+        a.state
+
+
+def test_stats_keep_totals_and_per_key_breakdown():
+    stats = PrefetchStats()
+    stats.count("train", "demands", 3)
+    stats.count("train", "hits", 2)
+    stats.count("eval", "demands")
+    stats.count("eval", "resident")
+    assert stats.demands == 4 and stats.per_key["train"].hits == 2 and stats.per_key["eval"].resident == 1
+    assert stats.hit_rate == pytest.approx(0.75)
