@@ -23,14 +23,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, results: Any, args: tuple) -> None:
+def _worker(
+    fn: Callable[..., Any], rank: int, world_size: int, port: int, backend: str, results: Any, args: tuple
+) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
+    device = "cuda" if backend == "nccl" else "cpu"
     try:
+        if device == "cuda":
+            torch.cuda.set_device(rank)
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
         )
-        mesh = init_device_mesh("cpu", (world_size,))
+        mesh = init_device_mesh(device, (world_size,))
         # Serialized here: tensors sent as-is would be shared-memory handles that die with this process.
         buffer = io.BytesIO()
         torch.save(fn(mesh, *args), buffer)
@@ -42,8 +47,10 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, resul
             dist.destroy_process_group()
 
 
-def spawn(fn: Callable[..., Any], *args: Any, world_size: int = 2, timeout_s: float = 240.0) -> list[Any]:
-    """``fn(mesh, *args)`` on every rank; returns the per-rank results.
+def spawn(
+    fn: Callable[..., Any], *args: Any, world_size: int = 2, timeout_s: float = 240.0, backend: str = "gloo"
+) -> list[Any]:
+    """``fn(mesh, *args)`` on every rank (gloo on CPU, or nccl with one GPU per rank); per-rank results.
 
     A rank that raises fails the call with its traceback; ranks still running after
     ``timeout_s`` are killed and reported as hung, so a deadlock fails fast instead of stalling CI.
@@ -51,21 +58,30 @@ def spawn(fn: Callable[..., Any], *args: Any, world_size: int = 2, timeout_s: fl
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, results, args)) for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_worker, args=(fn, r, world_size, port, backend, results, args)) for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     got: dict[int, Any] = {}
     deadline = time.monotonic() + timeout_s
+    dead_since: float | None = None  # a rank's result may still be in the pipe just after it exits
     try:
         while len(got) < world_size:
-            remaining = deadline - time.monotonic()
             try:
-                rank, ok, payload = results.get(timeout=max(remaining, 0.01))
+                rank, ok, payload = results.get(timeout=1.0)
             except queue.Empty:
                 missing = sorted(set(range(world_size)) - set(got))
-                raise TimeoutError(
-                    f"{fn.__qualname__} did not finish within {timeout_s:.0f}s on ranks {missing} (a hang?)"
-                ) from None
+                dead = [(r, procs[r].exitcode) for r in missing if procs[r].exitcode is not None]
+                if dead:
+                    dead_since = dead_since or time.monotonic()
+                    if time.monotonic() - dead_since > 5:
+                        raise RuntimeError(f"{fn.__qualname__}: ranks exited without a result (rank, exit code): {dead}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"{fn.__qualname__} did not finish within {timeout_s:.0f}s on ranks {missing} (a hang?)"
+                    ) from None
+                continue
             if not ok:
                 raise RuntimeError(f"{fn.__qualname__} failed on rank {rank}:\n{payload}")
             got[rank] = torch.load(io.BytesIO(payload), weights_only=False)
