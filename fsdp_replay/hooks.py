@@ -63,8 +63,10 @@ class _BackwardDemand:
 class HookSet:
     """All hooks one scheduler registered; ``remove()`` restores the modules as they were."""
 
-    def __init__(self, events: SchedulerEvents) -> None:
+    def __init__(self, events: SchedulerEvents, *, watch_post_backward: bool) -> None:
         self._events = events
+        # Only replay refills after a post-backward reshard; other modes skip that autograd node.
+        self._watch_post_backward = watch_post_backward
         self._handles: list[RemovableHandle] = []
         self._backward_end_queued = False
 
@@ -114,7 +116,7 @@ class HookSet:
         if not _compat.opens_forward(state):
             return None  # a later module of a grouped unit: same forward pass, same demand
         self._events.on_demand(unit, Phase.recompute if _compat.in_backward() else Phase.forward)
-        if not torch.is_grad_enabled() or _compat.in_pre_backward(state):
+        if not self._watch_post_backward or not torch.is_grad_enabled() or _compat.in_pre_backward(state):
             return None  # FSDP2 registers no post-backward here either
         callback = functools.partial(self._events.on_reshard, unit)
         return _compat.replace_grad_tensors(

@@ -106,7 +106,7 @@ class TrainConfig:
 
     run_name: str = "train"
     """Run directory ``outputs/<run_name>``; fixed (not time-stamped) so every rank agrees on it."""
-    steps: int = 20
+    steps: int = 100
     """Optimizer steps to run (a resumed run continues up to this step)."""
     batch_size: int = 8
     """Sequences per microbatch on each rank."""
@@ -122,7 +122,7 @@ class TrainConfig:
     """AdamW learning rate (constant)."""
     seed: int = 0
     """Seeds weight init (identical on every rank) and data order."""
-    eval_every: int = 0
+    eval_every: int = 25
     """Evaluate every N steps under the ``"eval"`` scope key; 0 disables evaluation."""
     eval_batches: int = 2
     """Held-out batches per evaluation."""
@@ -182,11 +182,13 @@ def to_job_config(cfg: DictConfig) -> TrainJobConfig:
     return job
 
 
-def quiet_nonzero_ranks(argv: list[str] = sys.argv) -> None:
+def quiet_nonzero_ranks(argv: list[str] | None = None) -> None:
     """Let only rank 0 write Hydra's log file and ``.hydra/`` config snapshot.
 
     Under torchrun every rank runs Hydra in the same pinned run directory; without this the
-    ranks would write the same files concurrently. Call before the ``@hydra.main`` function.
+    ranks would write the same files concurrently. Call before the ``@hydra.main`` function;
+    ``argv`` defaults to ``sys.argv``, which Hydra parses.
     """
     if int(os.environ.get("RANK", "0")) != 0:
+        argv = sys.argv if argv is None else argv
         argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
@@ -54,13 +54,10 @@ class _Scope:
     cursor: Cursor | None = None
     demand_only: bool = False
     """No prefetch for the rest of the scope (``demand`` mode, or after a divergence)."""
-    in_forward: bool = True
-    """Phase of the latest demand; picks the prefetch depth."""
     segment: int = 0
     """Backward passes finished so far in this scope."""
-    forward_done: bool = False
     backward_started: bool = False
-    failure: str | None = field(default=None)
+    """Automatic scopes: a scope still open at the next root forward failed if its backward began."""
 
 
 class PrefetchScheduler:
@@ -88,7 +85,7 @@ class PrefetchScheduler:
             forward, backward = _compat.own_prefetch_lists(unit.state)
             self._saved_prefetch[unit] = ([weakref.ref(s) for s in forward], [weakref.ref(s) for s in backward])
             _compat.disable_own_prefetch(unit.state)
-        self._hooks = HookSet(self)
+        self._hooks = HookSet(self, watch_post_backward=config.mode is PrefetchMode.record_and_replay)
         for unit in self.units:
             self._hooks.register_unit(unit)
         self._hooks.register_root(root)
@@ -197,10 +194,8 @@ class PrefetchScheduler:
             return
         if failed:
             self._end_scope(scope, failure="the forward raised an exception")
-        elif backward_follows:
-            scope.forward_done = True
-        else:
-            self._end_scope(scope)
+        elif not backward_follows:
+            self._end_scope(scope)  # otherwise the scope ends with its backward
 
     def on_backward_end(self) -> None:
         scope = self._scope
@@ -223,7 +218,6 @@ class PrefetchScheduler:
             self.stats.count(key, "wasted")  # FSDP2 dropped the prefetch (e.g. finalize_backward)
         if scope is None or scope.demand_only:
             return
-        scope.in_forward = phase.in_forward
         scope.backward_started |= phase is Phase.backward
         if scope.recording is not None:
             with record_function(f"fsdp_replay::record {unit.fqn} {phase.value}"):
@@ -349,9 +343,9 @@ class PrefetchScheduler:
         until the reshard, when this runs again: issuing later entries first would queue them
         ahead of it on the communicator and, under a byte cap, starve it.
         """
-        if scope.cursor is None or scope.demand_only:
+        if scope.cursor is None or scope.demand_only or scope.cursor.done:
             return
-        depth = self.config.depth(scope.in_forward)
+        depth = self.config.depth(scope.cursor.expected.phase.in_forward)  # the phase we are heading into
         scanned: set[Unit] = set()
         for entry in scope.cursor.upcoming():
             if len(scanned) >= depth or entry.segment > scope.segment:
