@@ -172,3 +172,22 @@ def test_state_dict_restores_orders_for_replay_from_the_first_step(mesh8):
     with resumed.iteration("train"):
         run_iteration(second, w, 1)
     assert resumed.stats.recordings == 0 and resumed.stats.misses == 0 and resumed.stats.divergences == 0
+
+
+def test_profiler_trace_names_what_was_recorded_prefetched_and_released(mesh8):
+    from torch.profiler import ProfilerActivity, profile
+
+    w = workload("sequential")
+    model = w.make_model().shard(mesh8)
+    sched = attach(model, PrefetchConfig(forward_prefetch=2))
+    with profile(activities=[ProfilerActivity.CPU]) as recording:
+        with sched.iteration("train"):
+            run_iteration(model, w, 0)
+    with profile(activities=[ProfilerActivity.CPU]) as replay:
+        with sched.iteration("train"):
+            model(w.make_batch(1, 0))  # forward only: backward prefetches are released unused
+    recorded = {e.name for e in recording.events()}
+    replayed = {e.name for e in replay.events()}
+    assert "fsdp_replay::record blocks.0 forward" in recorded
+    assert "fsdp_replay::prefetch blocks.1" in replayed
+    assert any(name.startswith("fsdp_replay::release ") for name in replayed)
