@@ -9,7 +9,7 @@ if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
 # torch first and pinned: an unpinned requirement may pull a multi-GB CUDA build.
-if ! .venv/bin/python -c "import torch, numpy, fsdp_replay, hydra, pytest, hypothesis" 2>/dev/null; then
+if ! .venv/bin/python -c "import torch, numpy, fsdp_replay, hydra, tqdm, pytest, hypothesis" 2>/dev/null; then
   .venv/bin/pip install -q torch==2.13.0 numpy
   .venv/bin/pip install -q -e ".[test]"
 fi

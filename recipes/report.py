@@ -1,0 +1,108 @@
+"""What a user sees of a run: a rank-0 progress bar, a JSONL line per step, a final summary."""
+
+from __future__ import annotations
+
+import json
+import resource
+import statistics
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from fsdp_replay import KeyStats, PrefetchScheduler
+
+METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.json"
+
+
+def stats_delta(after: dict[str, int], before: dict[str, int]) -> KeyStats:
+    """Counters of one step, from two snapshots of the scheduler's cumulative counters."""
+    return KeyStats(**{name: after[name] - before[name] for name in after})
+
+
+def peak_memory(device: torch.device) -> tuple[int, str]:
+    """Peak bytes and what was measured: CUDA's allocator peak, else the process's max RSS."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), "CUDA allocated"
+    # Linux reports ru_maxrss in KiB.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "max RSS"
+
+
+class RunReport:
+    """Writes only on rank 0 (``enabled``); the other ranks keep no files open."""
+
+    def __init__(
+        self, *, run_dir: Path, enabled: bool, mode: str, start_step: int, steps: int, tokens_per_step: int
+    ) -> None:
+        self.enabled = enabled
+        self.run_dir = run_dir
+        self.mode = mode
+        self.tokens_per_step = tokens_per_step
+        self.step_times: list[float] = []
+        self.last_eval_loss: float | None = None
+        self._bar = tqdm(total=steps, initial=start_step, desc=mode, unit="step", disable=not enabled)
+        # A resumed run continues the metrics of the run it resumes.
+        self._metrics = open(run_dir / METRICS_FILE, "a" if start_step else "w") if enabled else None
+
+    def step(self, step: int, *, loss: float, seconds: float, stats: KeyStats, eval_loss: float | None) -> None:
+        self.step_times.append(seconds)
+        if not self.enabled:
+            return
+        line: dict[str, Any] = {
+            "step": step,
+            "loss": loss,
+            "step_time_s": seconds,
+            "tokens_per_s": self.tokens_per_step / seconds,
+            "hit_rate": stats.hit_rate,
+            **stats.as_dict(),
+        }
+        postfix = {"loss": f"{loss:.4f}", "step_s": f"{seconds:.3f}", "hit": f"{stats.hit_rate:.0%}"}
+        if eval_loss is not None:
+            line["eval_loss"] = self.last_eval_loss = eval_loss
+        if self.last_eval_loss is not None:
+            postfix["eval"] = f"{self.last_eval_loss:.4f}"
+        self._metrics.write(json.dumps(line) + "\n")
+        self._metrics.flush()
+        self._bar.set_postfix(postfix, refresh=False)
+        self._bar.update()
+
+    def finish(self, sched: PrefetchScheduler, *, device: torch.device) -> str:
+        """Close the outputs, write ``summary.json`` and return the summary table."""
+        self._bar.close()
+        if self._metrics is not None:
+            self._metrics.close()
+        # The first step records the order and warms up allocators; leave it out when there are more.
+        steady = self.step_times[1:] or self.step_times
+        mean_step = statistics.fmean(steady) if steady else float("nan")
+        peak, memory_kind = peak_memory(device)
+        stats = sched.stats
+        summary = {
+            "mode": self.mode,
+            "steps": len(self.step_times),
+            "mean_step_time_s": mean_step,
+            "tokens_per_s": self.tokens_per_step / mean_step,
+            "peak_memory_bytes": peak,
+            "memory_kind": memory_kind,
+            **stats.as_dict(),
+            "hit_rate": stats.hit_rate,
+            "per_key": {key: counters.as_dict() for key, counters in stats.per_key.items()},
+            "recorded_orders": {
+                key: order for key in stats.per_key if (order := sched.recorded_order(key)) is not None
+            },
+        }
+        if self.enabled:
+            (self.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
+        rows = [
+            ("mode", self.mode),
+            ("mean step time", f"{mean_step * 1e3:.1f} ms"),
+            ("tokens/s", f"{summary['tokens_per_s']:,.0f}"),
+            (f"peak memory ({memory_kind})", f"{peak / 2**20:,.1f} MiB"),
+            ("prefetch hits / misses / resident", f"{stats.hits} / {stats.misses} / {stats.resident}"),
+            ("hit rate", f"{stats.hit_rate:.1%}"),
+            ("prefetches / wasted", f"{stats.prefetches} / {stats.wasted}"),
+            ("divergences", str(stats.divergences)),
+        ]
+        width = max(len(name) for name, _ in rows)
+        return "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)

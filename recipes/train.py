@@ -1,0 +1,190 @@
+"""Train a Llama-style LM with FSDP2, its unshards scheduled by fsdp_replay.
+
+    torchrun --standalone --nproc-per-node 2 recipes/train.py
+    torchrun --standalone --nproc-per-node 2 recipes/train.py prefetch=demand model=small train.steps=50
+
+CUDA + NCCL when a GPU is present, else CPU + gloo; ``python recipes/train.py`` runs a world of one.
+Outputs go to ``outputs/<train.run_name>/``: ``metrics.jsonl`` (one line per step),
+``summary.json``, Hydra's ``train.log`` and ``.hydra/``, and ``checkpoints/step_N`` when saving.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import time
+from pathlib import Path
+
+import hydra
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from checkpoint import load_checkpoint, save_checkpoint
+from fsdp_replay import PrefetchScheduler, fully_shard, scheduler_of
+from fsdp_replay.hydra import MicrobatchSchedule, TrainJobConfig, quiet_nonzero_ranks, register_configs, to_job_config
+from llama import Transformer
+from report import RunReport, stats_delta
+from tokens import Split, TokenData, load_tokens
+
+log = logging.getLogger("train")
+
+
+class Pass(enum.Enum):
+    forward = "F"
+    backward = "B"
+
+
+def microbatch_schedule(n: int, schedule: MicrobatchSchedule) -> list[tuple[Pass, int]]:
+    """The passes of one optimizer step, e.g. interleaved with n=3: F0 F1 B0 F2 B1 B2."""
+    if schedule is MicrobatchSchedule.sequential:
+        return [(p, i) for i in range(n) for p in (Pass.forward, Pass.backward)]
+    passes = [(Pass.forward, 0)]
+    for i in range(1, n):
+        passes += [(Pass.forward, i), (Pass.backward, i - 1)]
+    return passes + [(Pass.backward, n - 1)]
+
+
+def init_distributed() -> tuple[torch.device, DeviceMesh]:
+    """CUDA + NCCL when a GPU is present, else CPU + gloo with a CPU device mesh."""
+    if torch.cuda.is_available():
+        device, backend = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))), "nccl"
+        torch.cuda.set_device(device)
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if "RANK" in os.environ:
+        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+    else:
+        # Plain `python recipes/train.py`: a world of one needs no rendezvous.
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return device, init_device_mesh(device.type, (dist.get_world_size(),))
+
+
+def build_model(job: TrainJobConfig, *, mesh: DeviceMesh, device: torch.device) -> Transformer:
+    """Build on the meta device, shard, then allocate and initialise only this rank's shards.
+
+    This is what torchdistx's deferred init did; that package is unmaintained and does not
+    install on current torch, while meta device + ``to_empty()`` is built into torch.
+    """
+    with torch.device("meta"):
+        model = Transformer(job.model, checkpoint_group=job.train.activation_checkpointing)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    # The head's weight is the embedding's Parameter, so both modules must form one unit.
+    fully_shard([model.tok_embeddings, model.output], mesh=mesh)
+    fully_shard(model, mesh=mesh, prefetch=job.prefetch)
+    model.to_empty(device=device)
+    torch.manual_seed(job.train.seed)
+    model.init_weights()
+    return model
+
+
+def lm_loss(model: Transformer, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
+
+
+def global_mean(value: torch.Tensor) -> float:
+    """Mean over ranks; also the step's synchronisation point, so step times are honest."""
+    value = value.detach().clone()
+    dist.all_reduce(value)
+    return value.item() / dist.get_world_size()
+
+
+def train_step(
+    model: Transformer, data: TokenData, job: TrainJobConfig, *, step: int, device: torch.device
+) -> torch.Tensor:
+    """All forwards and backwards of one optimizer step; returns the step's loss (detached)."""
+    n = job.train.microbatches
+    # Each microbatch's loss (and so its autograd graph) lives from its forward to its backward.
+    pending: dict[int, torch.Tensor] = {}
+    total = torch.zeros((), device=device)
+    for kind, micro in microbatch_schedule(n, job.train.schedule):
+        if kind is Pass.forward:
+            inputs, targets = data.batch(Split.train, step=step, micro=micro, rank=dist.get_rank(), device=device)
+            pending[micro] = lm_loss(model, inputs, targets) / n
+        else:
+            loss = pending.pop(micro)
+            loss.backward()
+            total += loss.detach()
+    return total
+
+
+@torch.no_grad()
+def evaluate(
+    model: Transformer, sched: PrefetchScheduler, data: TokenData, *, batches: int, step: int, device: torch.device
+) -> float:
+    """Held-out loss, under its own scope key so eval's order never disturbs train's."""
+    total = torch.zeros((), device=device)
+    with sched.iteration(key="eval"):
+        for micro in range(batches):
+            inputs, targets = data.batch(Split.eval, step=step, micro=micro, rank=dist.get_rank(), device=device)
+            total += lm_loss(model, inputs, targets)
+    return global_mean(total / batches)
+
+
+@hydra.main(config_path="../configs", config_name="train", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    # --- setup: config and data errors surface here, before any process group exists ---------
+    try:
+        job = to_job_config(cfg)
+        data = load_tokens(
+            job.data, vocab_size=job.model.vocab_size, seq_len=job.train.seq_len,
+            batch_size=job.train.batch_size, seed=job.train.seed,
+        )
+    except ValueError as err:
+        raise SystemExit(f"recipes/train.py: invalid config: {err}") from None
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    device, mesh = init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = build_model(job, mesh=mesh, device=device)
+    sched = scheduler_of(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=job.train.lr)
+    start_step = 0
+    if job.train.resume_from is not None:
+        start_step = load_checkpoint(Path(job.train.resume_from), model=model, optimizer=optimizer, sched=sched)
+    log.info(
+        "%s model, %.2fM params, %d rank(s) on %s (%s), prefetch %s, data: %s, run dir %s%s",
+        job.model.name, sum(p.numel() for p in model.parameters()) / 1e6, world, device.type,
+        dist.get_backend(), job.prefetch.mode.name, data.source, run_dir,
+        f", resumed at step {start_step}" if start_step else "",
+    )
+    report = RunReport(
+        run_dir=run_dir, enabled=rank == 0, mode=job.prefetch.mode.name, start_step=start_step,
+        steps=job.train.steps,
+        tokens_per_step=job.train.batch_size * job.train.microbatches * job.train.seq_len * world,
+    )
+
+    # --- train: one sched.iteration() per optimizer step, optimizer.step() after it ----------
+    for step in range(start_step + 1, job.train.steps + 1):
+        before = sched.stats.as_dict()
+        start = time.perf_counter()
+        with sched.iteration(key="train"):
+            loss = train_step(model, data, job, step=step, device=device)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss_value = global_mean(loss)
+        seconds = time.perf_counter() - start
+        step_stats = stats_delta(sched.stats.as_dict(), before)
+        eval_loss = None
+        if job.train.eval_every and step % job.train.eval_every == 0:
+            eval_loss = evaluate(model, sched, data, batches=job.train.eval_batches, step=step, device=device)
+        if job.train.save_every and step % job.train.save_every == 0:
+            path = run_dir / "checkpoints" / f"step_{step}"
+            save_checkpoint(path, model=model, optimizer=optimizer, sched=sched, step=step)
+        report.step(step, loss=loss_value, seconds=seconds, stats=step_stats, eval_loss=eval_loss)
+
+    # --- cleanup ------------------------------------------------------------------------------
+    summary = report.finish(sched, device=device)
+    if rank == 0:
+        log.info("summary\n%s", summary)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    register_configs()
+    quiet_nonzero_ranks()
+    main()

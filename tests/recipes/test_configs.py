@@ -1,0 +1,141 @@
+"""Every YAML under configs/ composes through Hydra's compose API and validates into dataclasses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf import DictConfig
+
+from fsdp_replay import PrefetchConfig, PrefetchMode
+from fsdp_replay.hydra import MicrobatchSchedule, TrainJobConfig, quiet_nonzero_ranks, register_configs, to_job_config
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+GROUP_FILES = sorted([*CONFIG_DIR.glob("prefetch/*.yaml"), *CONFIG_DIR.glob("model/*.yaml")])
+"""The option files of the groups that configs/train.yaml composes."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _schemas() -> None:
+    register_configs()
+
+
+def compose_train(*overrides: str, hydra_config: bool = False) -> DictConfig:
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return compose("train", overrides=list(overrides), return_hydra_config=hydra_config)
+
+
+def test_defaults_are_record_and_replay_on_the_tiny_model() -> None:
+    job = to_job_config(compose_train())
+    assert isinstance(job, TrainJobConfig)
+    assert job.prefetch == PrefetchConfig()
+    assert job.prefetch.mode is PrefetchMode.record_and_replay
+    assert job.model.name == "tiny"
+    assert job.train.schedule is MicrobatchSchedule.sequential
+
+
+@pytest.mark.parametrize("path", GROUP_FILES, ids=lambda p: f"{p.parent.name}={p.stem}")
+def test_every_group_yaml_composes_into_its_schema(path: Path) -> None:
+    job = to_job_config(compose_train(f"{path.parent.name}={path.stem}"))
+    if path.parent.name == "prefetch":
+        assert job.prefetch.mode is PrefetchMode[path.stem]
+    else:
+        assert job.model.name == path.stem
+
+
+@pytest.mark.parametrize("path", [CONFIG_DIR / "train.yaml", *GROUP_FILES], ids=lambda p: p.stem)
+def test_every_yaml_starts_with_the_command_that_runs_it(path: Path) -> None:
+    first = path.read_text().splitlines()[0]
+    assert first.startswith("# torchrun --standalone --nproc-per-node "), first
+    assert " recipes/train.py" in first
+    if path.parent != CONFIG_DIR:
+        assert f" {path.parent.name}={path.stem}" in first
+
+
+@pytest.mark.parametrize(
+    ("override", "field", "expected"),
+    [
+        ("prefetch=demand", "prefetch.mode", PrefetchMode.demand),
+        ("prefetch=static", "prefetch.mode", PrefetchMode.static),
+        ("prefetch.mode=static", "prefetch.mode", PrefetchMode.static),
+        ("prefetch.forward_prefetch=2", "prefetch.forward_prefetch", 2),
+        ("prefetch.max_prefetch_bytes=1048576", "prefetch.max_prefetch_bytes", 1 << 20),
+        ("model=small", "model.dim", 256),
+        ("model.depth_repeats=2", "model.depth_repeats", 2),
+        ("train.steps=50", "train.steps", 50),
+        ("train.schedule=interleaved", "train.schedule", MicrobatchSchedule.interleaved),
+    ],
+)
+def test_command_line_overrides_reach_the_dataclasses(override: str, field: str, expected: object) -> None:
+    value: object = to_job_config(compose_train(override))
+    for name in field.split("."):
+        value = getattr(value, name)
+    assert value == expected
+
+
+def test_group_choice_and_field_override_combine() -> None:
+    job = to_job_config(compose_train("prefetch=static", "prefetch.forward_prefetch=3", "model=small"))
+    assert (job.prefetch.mode, job.prefetch.forward_prefetch, job.model.name) == (PrefetchMode.static, 3, "small")
+
+
+@pytest.mark.parametrize(
+    ("override", "valid"),
+    [
+        ("prefetch.mode=fast", "static, record_and_replay, demand"),
+        ("train.schedule=zigzag", "sequential, interleaved"),
+    ],
+)
+def test_unknown_enum_name_fails_composition_naming_field_and_values(override: str, valid: str) -> None:
+    with pytest.raises(ConfigCompositionException) as err:
+        compose_train(override)
+    detail = str(err.value.__cause__)
+    assert f"full_key: {override.split('=')[0]}" in detail
+    assert valid in detail
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("prefetch.forward_prefetch=-1", "PrefetchConfig.forward_prefetch must be an integer >= 0"),
+        ("prefetch.backward_prefetch=-2", "PrefetchConfig.backward_prefetch must be an integer >= 0"),
+        ("prefetch.max_prefetch_bytes=0", "PrefetchConfig.max_prefetch_bytes must be a positive integer"),
+        ("prefetch.on_divergence=ignore", "valid policies are fallback, raise"),
+        ("train.microbatches=0", "TrainConfig.microbatches must be an integer >= 1"),
+        ("train.activation_checkpointing=-1", "TrainConfig.activation_checkpointing must be an integer >= 0"),
+        ("train.seq_len=4096", "exceeds ModelConfig.max_seq_len"),
+        ("train.resume_from=/no/such/checkpoint", "TrainConfig.resume_from: no such checkpoint directory"),
+        ("model.n_heads=3", "ModelConfig.dim must be a multiple of 2 * n_heads"),
+        ("data.path=/no/such/file.txt", "DataConfig.path: no such file '/no/such/file.txt'"),
+    ],
+)
+def test_out_of_range_value_fails_conversion_naming_the_field(override: str, message: str) -> None:
+    cfg = compose_train(override)  # OmegaConf checks types only; ranges are the dataclasses' job
+    with pytest.raises(ValueError) as err:
+        to_job_config(cfg)
+    assert message in str(err.value)
+
+
+def test_run_dir_is_fixed_so_every_rank_shares_it() -> None:
+    first = compose_train(hydra_config=True).hydra.run.dir
+    assert first == compose_train(hydra_config=True).hydra.run.dir == "outputs/train"
+    assert compose_train("train.run_name=abc", hydra_config=True).hydra.run.dir == "outputs/abc"
+
+
+def test_nonzero_ranks_write_no_hydra_files(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "1")
+    argv = ["recipes/train.py", "prefetch=demand"]
+    quiet_nonzero_ranks(argv)
+    cfg = compose_train(*argv[1:], hydra_config=True)
+    assert cfg.hydra.output_subdir is None
+    assert cfg.hydra.runtime.choices["hydra/job_logging"] == "disabled"
+    assert cfg.hydra.job_logging.get("handlers") is None
+
+
+def test_rank_zero_keeps_hydra_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "0")
+    argv = ["recipes/train.py"]
+    quiet_nonzero_ranks(argv)
+    assert argv == ["recipes/train.py"]
+    assert compose_train(hydra_config=True).hydra.output_subdir == ".hydra"
