@@ -160,7 +160,6 @@ def issue_unshard(state: Any, *, backward: bool) -> None:
     training_state = TrainingState.PRE_BACKWARD if backward else TrainingState.FORWARD
     for group in state._fsdp_param_groups:
         with group.use_training_state(training_state):
-            group.lazy_init()
             group.unshard(async_op=True if cpu else group.unshard_async_op)
 
 

@@ -271,9 +271,10 @@ class PrefetchScheduler:
                     self._verify_across_ranks(key, order)
                 scope.cursor = Cursor(order)
         self._scope = scope
-        if scope.cursor is not None and (root_state := self._root_state()) is not None:
-            _compat.ensure_lazy_init(root_state)  # a resumed run replays before FSDP2's first forward
-            self._refill(scope)  # the scope's first gathers go out before its first forward
+        if not scope.demand_only and (root_state := self._root_state()) is not None:
+            # This scope may gather before FSDP2's root pre-forward (first step, or a resumed run).
+            _compat.ensure_lazy_init(root_state)
+        self._refill(scope)  # the scope's first gathers go out before its first forward
         return scope
 
     def _close_auto_scope(self, scope: _Scope) -> None:
