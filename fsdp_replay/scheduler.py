@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.profiler import record_function
 
 from fsdp_replay import _compat
 from fsdp_replay.config import PrefetchConfig, PrefetchMode
@@ -220,7 +219,7 @@ class PrefetchScheduler:
             return
         scope.backward_started |= phase is Phase.backward
         if scope.recording is not None:
-            with record_function(f"fsdp_replay::record {unit.fqn} {phase.value}"):
+            with _compat.trace("fsdp_replay::record", unit.fqn, phase.value):
                 scope.recording.append(Entry(unit, phase, kind != "resident", scope.segment))
             return
         if scope.cursor is not None and not self._replay_matches(scope, unit, phase):
@@ -385,7 +384,7 @@ class PrefetchScheduler:
         if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
             self._verified.add(key)
             return
-        with record_function(f"fsdp_replay::check_ranks {key}"):
+        with _compat.trace("fsdp_replay::check_ranks", key):
             mine = torch.tensor([len(order), order.digest()], dtype=torch.int64, device=_compat.device(state))
             # Pre-filled with our own value: a no-op (fake) backend then compares equal.
             gathered = [mine.clone() for _ in range(dist.get_world_size(group))]

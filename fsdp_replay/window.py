@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from torch.profiler import record_function
 
 from fsdp_replay import _compat
 from fsdp_replay.units import Unit
@@ -38,12 +37,12 @@ class PrefetchWindow:
 
     def gather_now(self, unit: Unit, *, backward: bool) -> None:
         """Issue the demanded unit's own gather before any prefetch, so it is not queued behind them."""
-        with record_function(f"fsdp_replay::gather_at_demand {unit.fqn}"):
+        with _compat.trace("fsdp_replay::gather_at_demand", unit.fqn):
             _compat.issue_unshard(unit.state, backward=backward)
 
     def prefetch(self, unit: Unit, *, backward: bool) -> bool:
         """Issue ``unit``'s all-gather ahead of use; False if FSDP2 declined (e.g. no unshard in backward)."""
-        with record_function(f"fsdp_replay::prefetch {unit.fqn}"):
+        with _compat.trace("fsdp_replay::prefetch", unit.fqn):
             _compat.issue_unshard(unit.state, backward=backward)
         if not _compat.is_pending(unit.state):
             return False
@@ -69,7 +68,7 @@ class PrefetchWindow:
         for unit in self._ahead:
             state = unit._state()
             if state is not None and _compat.is_pending(state):
-                with record_function(f"fsdp_replay::release {unit.fqn}"):
+                with _compat.trace("fsdp_replay::release", unit.fqn):
                     _compat.release(state)
         self._ahead.clear()
         self._bytes_ahead = 0

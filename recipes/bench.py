@@ -1,0 +1,158 @@
+"""Benchmark plain FSDP2 and the three fsdp_replay modes side by side, against the physical limit.
+
+    python recipes/bench.py bench.update_benchmarks_md=BENCHMARKS.md   # the full run (~10 min on 2 cores)
+    python recipes/bench.py bench.quick=true                           # CI smoke run (~1 min)
+
+One run measures every workload of ``bench.workloads`` in every mode (plain FSDP2, demand, static,
+record_and_replay), stepping the modes in alternation, then the compute-only and
+communication-only runs that give the bound, then the scheduler's CPU cost on the fake backend.
+
+On CPU as root, both ranks run inside a network namespace whose loopback is rate limited
+(``netns.rate``, tbf), so communication costs wall time as on a cluster link; the namespace is
+deleted afterwards, also on failure. Without root it runs on plain loopback and says so. With
+GPUs it runs the same measurement on NCCL (``netns`` is not used).
+
+Outputs in ``outputs/bench/`` (Hydra's run dir): ``results.json`` (every figure, raw step times),
+``table.md`` (also printed), ``bench.png`` and, with ``bench.profile=true``, ``traces/``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+import bench_netns
+import bench_report
+from bench_config import BenchConfig
+from bench_measure import measure_cpu_cost, run_ranks
+
+RECIPES = Path(__file__).resolve().parent
+
+
+def machine(load_before: tuple[float, ...]) -> dict[str, Any]:
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+        memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (OSError, ValueError):
+        memory_gib = float("nan")
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {
+        "cpu": cpu if gpu is None else f"{cpu} + {torch.cuda.device_count()}x {gpu}",
+        "cores": os.cpu_count(),
+        "memory_gib": memory_gib,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "load_before": " ".join(f"{x:.2f}" for x in load_before),
+        "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+    }
+
+
+def use_namespace(job: BenchConfig, device: str) -> tuple[bool, str]:
+    """Whether to run the ranks in a rate-limited namespace, and a line saying what they run on."""
+    if device == "cuda":
+        return False, "NCCL between GPUs (no emulated link)"
+    if job.netns.enabled == "false":
+        return False, "plain loopback, no rate limit (netns.enabled=false): communication is nearly free"
+    why_not = bench_netns.available()
+    if why_not is not None:
+        if job.netns.enabled == "true":
+            raise SystemExit(f"recipes/bench.py: netns.enabled=true but a namespace cannot be created: {why_not}")
+        return False, f"plain loopback, no rate limit ({why_not}): communication is nearly free, prefetch has little to hide"
+    return True, ""
+
+
+def measure_in_namespace(job: BenchConfig, run_dir: Path) -> tuple[list[dict[str, Any]], str]:
+    """Start both ranks inside a fresh rate-limited namespace; it is deleted however this ends."""
+    config_path, raw_path = run_dir / "bench_config.json", run_dir / "ranks_raw.json"
+    config_path.write_text(json.dumps(job.to_dict()))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(RECIPES.parent), os.environ.get("PYTHONPATH")])))
+    with bench_netns.rate_limited_namespace(rate=job.netns.rate, burst=job.netns.burst, latency=job.netns.latency) as name:
+        qdisc = bench_netns.qdisc(name)
+        argv = [sys.executable, str(RECIPES / "bench_measure.py"), str(config_path), str(raw_path), str(run_dir)]
+        subprocess.run(bench_netns.exec_argv(name, argv), check=True, env=env, timeout=job.bench.timeout_s + 60)
+    ranks = json.loads(raw_path.read_text())
+    raw_path.unlink()
+    config_path.unlink()
+    return ranks, f"network namespace {name} (deleted after the run), loopback `{qdisc}`"
+
+
+@hydra.main(config_path="../configs", config_name="bench", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    # --- setup: config errors surface before any process starts ---------------------------------
+    try:
+        job = OmegaConf.to_object(cfg)
+    except ValueError as err:
+        raise SystemExit(f"recipes/bench.py: invalid config: {err}") from None
+    if not isinstance(job, BenchConfig):
+        raise SystemExit(f"recipes/bench.py: expected a config built on 'bench_schema', got {type(job).__name__}")
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    overrides = " ".join(HydraConfig.get().overrides.task)
+    command = f"python recipes/bench.py {overrides}".strip()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    load_before = os.getloadavg()
+    namespaced, interconnect = use_namespace(job, device)
+    print(f"recipes/bench.py: {device}, interconnect: {interconnect or 'rate-limited namespace ' + job.netns.rate}", flush=True)
+
+    # --- measure ----------------------------------------------------------------------------------
+    start = time.perf_counter()
+    if namespaced:
+        ranks, interconnect = measure_in_namespace(job, run_dir)
+    else:
+        ranks = run_ranks(job, run_dir)
+    cpu_cost = measure_cpu_cost(job)
+    wall_s = time.perf_counter() - start
+
+    # --- report -----------------------------------------------------------------------------------
+    workloads = bench_report.summarize(ranks, job.bench.modes)
+    report: dict[str, Any] = {
+        "command": command,
+        "config": job.to_dict(),
+        "machine": machine(load_before),
+        "backend": ranks[0]["backend"],
+        "world_size": len(ranks),
+        "interconnect": interconnect,
+        "interconnect_short": f"tbf {job.netns.rate} loopback" if namespaced else interconnect.split(",")[0].split("(")[0].strip(),
+        "rate_limited": namespaced,
+        "wall_s": wall_s,
+        "workloads": workloads,
+        "cpu_cost": cpu_cost,
+    }
+    report["targets"] = bench_report.check_targets(workloads, cpu_cost)
+    report["plot"] = bench_report.plot(report, run_dir / "bench.png") if job.bench.plot else None
+    section = bench_report.render(report)
+    (run_dir / "results.json").write_text(json.dumps(report, indent=1))
+    (run_dir / "table.md").write_text(section + "\n")
+    if job.bench.update_benchmarks_md:
+        md = Path(job.bench.update_benchmarks_md)
+        if report["plot"]:  # the plot travels next to the markdown that shows it
+            target = md.parent / f"bench_{device}.png"
+            target.write_bytes((run_dir / "bench.png").read_bytes())
+            section = section.replace(f"]({report['plot']})", f"]({target.name})")
+        bench_report.update_markdown(md, section, device)
+    print(section)
+    if job.bench.plot and report["plot"] is None:
+        print("recipes/bench.py: matplotlib is not installed; no plot (pip install matplotlib)")
+    print(f"recipes/bench.py: results in {run_dir}")
+
+
+if __name__ == "__main__":
+    ConfigStore.instance().store(name="bench_schema", node=BenchConfig)
+    main()

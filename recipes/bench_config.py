@@ -1,0 +1,131 @@
+"""Schema of ``configs/bench.yaml`` (the benchmark's Hydra config), shared by the launcher and the ranks.
+
+Kept apart from ``recipes/bench.py`` so the spawned ranks can unpickle it without importing Hydra.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+MODES = ("plain", "demand", "static", "record_and_replay")
+"""``plain`` is torch's ``fully_shard`` with no scheduler attached (FSDP2's own default prefetch)."""
+WORKLOADS = ("sequential", "out_of_order", "shared_block", "checkpointed", "interleaved_1f1b")
+
+
+def _at_least(minimum: int, owner: object, *names: str) -> None:
+    for name in names:
+        value = getattr(owner, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ValueError(f"{type(owner).__name__}.{name} must be an integer >= {minimum}, got {value!r}")
+
+
+@dataclass
+class RunConfig:
+    """The measured run: workloads, model size, steps (the ``bench`` node)."""
+
+    quick: bool = False
+    """CI smoke run: tiny models and two measured steps (replaces the sizes and step counts below)."""
+    workloads: list[str] = field(default_factory=lambda: list(WORKLOADS))
+    """Canonical workloads of ``fsdp_replay.testing.workloads`` to measure (``tied_embedding`` also works)."""
+    modes: list[str] = field(default_factory=lambda: list(MODES))
+    """Stepped in this order, one step each in turn: A B C D A B C D ..."""
+    dim: int = 512
+    """Block width; a block is two ``dim x hidden`` linears, one FSDP unit."""
+    hidden: int = 1024
+    n_blocks: int = 6
+    rows: int = 128
+    """Rows per microbatch: sets compute per unit against its all-gather time."""
+    warmup_steps: int = 3
+    """Per mode, before timing; the first ``record_and_replay`` scope records."""
+    steps: int = 10
+    """Timed steps per mode (the median is reported)."""
+    world_size: int = 2
+    threads: int = 1
+    """``torch.set_num_threads`` per rank; gloo needs a core of its own to overlap (2 cores: 1)."""
+    forward_prefetch: int = 1
+    backward_prefetch: int = 1
+    bound_steps: int = 5
+    """Repetitions of the compute-only and communication-only runs (median)."""
+    profile: bool = False
+    """Also export one ``torch.profiler`` trace per workload and mode (rank 0) under ``traces/``."""
+    plot: bool = True
+    """Write ``bench.png`` (needs matplotlib; skipped with a note when it is missing)."""
+    update_benchmarks_md: str | None = None
+    """Path of BENCHMARKS.md whose generated section this run replaces (None: leave it alone)."""
+    timeout_s: float = 1800.0
+    """Ranks still running after this are killed (a hang fails instead of stalling)."""
+
+    def __post_init__(self) -> None:
+        if self.quick:
+            self.dim, self.hidden, self.n_blocks, self.rows = 64, 128, 4, 16
+            self.warmup_steps, self.steps, self.bound_steps = 2, 2, 1
+        _at_least(1, self, "dim", "hidden", "n_blocks", "rows", "steps", "threads", "bound_steps")
+        _at_least(2, self, "warmup_steps", "world_size")  # record, then one replayed warmup
+        _at_least(0, self, "forward_prefetch", "backward_prefetch")
+        unknown = [m for m in self.modes if m not in MODES]
+        if unknown or not self.modes or len(set(self.modes)) != len(self.modes):
+            raise ValueError(f"RunConfig.modes: got {self.modes}; pick distinct modes from {', '.join(MODES)}")
+        if "plain" not in self.modes or "demand" not in self.modes:
+            raise ValueError("RunConfig.modes must include plain and demand (the ratios are relative to them)")
+        if not self.workloads:
+            raise ValueError("RunConfig.workloads must name at least one workload")
+
+
+@dataclass
+class NetnsConfig:
+    """Rate-limited interconnect for CPU runs: both ranks in a network namespace with a tbf on loopback."""
+
+    enabled: str = "auto"
+    """``auto``: when root on a CPU run; ``true``: required (fails without root); ``false``: plain loopback."""
+    rate: str = "2gbit"
+    """tbf rate of the namespace's loopback (tc syntax)."""
+    burst: str = "256kb"
+    latency: str = "100ms"
+
+    def __post_init__(self) -> None:
+        self.enabled = str(self.enabled).lower()
+        if self.enabled not in ("auto", "true", "false"):
+            raise ValueError(f"NetnsConfig.enabled must be auto, true or false, got {self.enabled!r}")
+
+
+@dataclass
+class CpuCostConfig:
+    """Scheduler CPU cost: fake backend (no communication), many tiny units, one process."""
+
+    world_size: int = 8
+    units: int = 64
+    dim: int = 16
+    hidden: int = 32
+    rows: int = 4
+    warmup_steps: int = 3
+    steps: int = 40
+
+    def __post_init__(self) -> None:
+        _at_least(2, self, "world_size", "units", "warmup_steps")
+        _at_least(1, self, "dim", "hidden", "rows", "steps")
+
+
+@dataclass
+class BenchConfig:
+    """Top-level config of ``recipes/bench.py``."""
+
+    bench: RunConfig = field(default_factory=RunConfig)
+    netns: NetnsConfig = field(default_factory=NetnsConfig)
+    cpu_cost: CpuCostConfig = field(default_factory=CpuCostConfig)
+
+    def __post_init__(self) -> None:
+        if self.bench.quick:
+            self.cpu_cost.units, self.cpu_cost.steps, self.cpu_cost.warmup_steps = 16, 3, 2
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> BenchConfig:
+        # quick already applied: do not apply it twice (it would be harmless, but keep it exact)
+        bench = dict(d["bench"], quick=False)
+        cfg = cls(bench=RunConfig(**bench), netns=NetnsConfig(**d["netns"]), cpu_cost=CpuCostConfig(**d["cpu_cost"]))
+        cfg.bench.quick = d["bench"]["quick"]
+        return cfg

@@ -1,0 +1,300 @@
+"""What each rank of the benchmark measures, and the fake-backend CPU-cost run.
+
+Per workload every mode gets its own model (same seed), stepped in alternation A B C D A B C D so
+machine drift hits all modes alike. The same rank process then measures the physical limit:
+compute-only (the model unsharded, no communication) and communication-only (the demand-mode
+step's all-gathers and reduce-scatters, same sizes and order, no compute).
+
+Also runnable as a script, which is how ``recipes/bench.py`` starts the ranks inside the
+rate-limited network namespace::
+
+    python recipes/bench_measure.py CONFIG.json RESULTS.json OUT_DIR
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from bench_config import BenchConfig, RunConfig
+from bench_probe import FSDPProbe, unit_bytes
+from fsdp_replay import PrefetchConfig, attach
+from fsdp_replay.testing.distributed import fake_world, spawn
+from fsdp_replay.testing.observer import DemandObserver
+from fsdp_replay.testing.workloads import Workload, run_iteration, workload
+
+SCOPE_KEY = "bench"
+
+
+# --- one step of one mode ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Contender:
+    """One mode's model, optimizer, scheduler (None for plain FSDP2) and demand observer."""
+
+    mode: str
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    sched: Any
+    observer: DemandObserver
+
+
+def build_contender(mode: str, w: Workload, mesh: DeviceMesh, run: RunConfig) -> Contender:
+    model = w.make_model().shard(mesh)  # make_model seeds: every mode starts from the same weights
+    sched = None
+    if mode != "plain":
+        sched = attach(
+            model,
+            PrefetchConfig(mode=mode, forward_prefetch=run.forward_prefetch, backward_prefetch=run.backward_prefetch),
+        )
+    observer = DemandObserver(model)  # after attach: its hooks run first, so it sees FSDP2's state untouched
+    return Contender(mode, model, torch.optim.SGD(model.parameters(), lr=1e-3), sched, observer)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_step(c: Contender, w: Workload, step: int, probe: FSDPProbe | None, device: torch.device) -> dict[str, Any]:
+    """One optimizer step of ``c``; barrier first so both ranks start together."""
+    if probe is not None:
+        probe.track(c.model)
+    before = c.sched.stats.as_dict() if c.sched is not None else None
+    c.observer.take()
+    dist.barrier()
+    _sync(device)
+    start = time.perf_counter()
+    if c.sched is not None:
+        with c.sched.iteration(SCOPE_KEY):
+            losses = run_iteration(c.model, w, step)
+    else:
+        losses = run_iteration(c.model, w, step)
+    c.optimizer.step()
+    c.optimizer.zero_grad(set_to_none=True)
+    _sync(device)
+    seconds = time.perf_counter() - start
+    record: dict[str, Any] = {"step_s": seconds, "losses": losses}
+    if probe is not None:
+        record.update(probe.take().as_dict())
+    record["observed"] = DemandObserver.counts(c.observer.take())
+    if before is not None:
+        after = c.sched.stats.as_dict()
+        record["stats"] = {k: after[k] - before[k] for k in after}
+    return record
+
+
+# --- the physical limit -----------------------------------------------------------------------------
+
+
+def compute_only(w: Workload, run: RunConfig, device: torch.device) -> list[float]:
+    """The same iteration on the unsharded model: no communication at all."""
+    model = w.make_model().to(device)
+    run_iteration(model, w, 0)
+    model.zero_grad(set_to_none=True)
+    times = []
+    for rep in range(run.bound_steps):
+        dist.barrier()  # both ranks compute at once, as in the real run (they share the cores)
+        _sync(device)
+        start = time.perf_counter()
+        run_iteration(model, w, rep + 1)
+        model.zero_grad(set_to_none=True)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def comm_only(log: list[tuple[str, int, Any]], run: RunConfig, device: torch.device) -> list[dict[str, float]]:
+    """Replay the step's collectives back to back, synchronously, with no compute in between."""
+    world = dist.get_world_size()
+    buffers: dict[tuple[str, int, Any], tuple[torch.Tensor, torch.Tensor]] = {}
+    for kind, numel, dtype in log:
+        if (kind, numel, dtype) not in buffers:
+            full = torch.zeros(numel, dtype=dtype, device=device)
+            shard = torch.zeros(numel // world, dtype=dtype, device=device)
+            buffers[(kind, numel, dtype)] = (full, shard)
+
+    def issue(kind: str, full: torch.Tensor, shard: torch.Tensor) -> None:
+        if kind == "AG":
+            dist.all_gather_single(full, shard)
+        else:
+            dist.reduce_scatter_single(shard, full)
+
+    for key in buffers:  # warm the connections for every size
+        issue(key[0], *buffers[key])
+    reps = []
+    for _ in range(run.bound_steps):
+        dist.barrier()
+        ag = rs = first = 0.0
+        for i, (kind, numel, dtype) in enumerate(log):
+            _sync(device)
+            start = time.perf_counter()
+            issue(kind, *buffers[(kind, numel, dtype)])
+            _sync(device)
+            seconds = time.perf_counter() - start
+            if kind == "AG":
+                ag += seconds
+                if i == 0:
+                    first = seconds
+            else:
+                rs += seconds
+        reps.append({"all_gather_s": ag, "first_all_gather_s": first, "reduce_scatter_s": rs})
+    return reps
+
+
+# --- per workload -----------------------------------------------------------------------------------
+
+
+def measure_workload(
+    mesh: DeviceMesh, w: Workload, run: RunConfig, probe: FSDPProbe, device: torch.device, out_dir: Path
+) -> dict[str, Any]:
+    contenders = [build_contender(mode, w, mesh, run) for mode in run.modes]
+    records: dict[str, list[dict[str, Any]]] = {c.mode: [] for c in contenders}
+    comm_log: list[tuple[str, int, Any]] = []
+    for step in range(run.warmup_steps + run.steps):
+        for c in contenders:
+            # Step 1 is the demand model's first step in a scope with a recorded order around it: its
+            # collectives (one gather per non-resident demand, one reduce-scatter per backward use)
+            # are the communication every mode must do.
+            probe.comm_log = comm_log if (c.mode == "demand" and step == 1) else None
+            record = timed_step(c, w, step, probe, device)
+            if step >= run.warmup_steps:
+                records[c.mode].append(record)
+    probe.comm_log = None
+    result: dict[str, Any] = {
+        "notes": w.notes,
+        "unit_bytes": unit_bytes(contenders[0].model),
+        "modes": records,
+        "recorded_demands": {
+            c.mode: len(c.sched.recorded_order(SCOPE_KEY) or []) for c in contenders if c.mode == "record_and_replay"
+        }.get("record_and_replay"),
+        "collectives": [(k, n, str(d)) for k, n, d in comm_log],
+    }
+    if run.profile:
+        result["profile"] = {c.mode: profile_step(c, w, run.warmup_steps + run.steps, device, out_dir) for c in contenders}
+    for c in contenders:
+        if c.sched is not None:
+            c.sched.detach()
+        c.observer.remove()
+    del contenders
+    gc.collect()
+    result["compute_only_s"] = compute_only(w, run, device)
+    result["comm_only"] = comm_only(comm_log, run, device)
+    return result
+
+
+def profile_step(c: Contender, w: Workload, step: int, device: torch.device, out_dir: Path) -> dict[str, Any]:
+    """One extra step under torch.profiler (rank 0 records): a trace plus totals per range family."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if dist.get_rank() != 0:
+        timed_step(c, w, step, None, device)
+        return {}
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        timed_step(c, w, step, None, device)
+    traces = out_dir / "traces"
+    traces.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(traces / f"{w.name}_{c.mode}_rank0.json"))
+    families: dict[str, dict[str, float]] = {}
+    for event in prof.key_averages():
+        if event.key.startswith(("fsdp_replay::", "FSDP::")):
+            family = event.key.split(" ")[0].split("(")[0].strip()
+            entry = families.setdefault(family, {"count": 0, "cpu_ms": 0.0})
+            entry["count"] += event.count
+            entry["cpu_ms"] += event.cpu_time_total / 1e3
+    return families
+
+
+def measure_rank(mesh: DeviceMesh, cfg_dict: dict[str, Any], out_dir: str) -> dict[str, Any]:
+    """Entry point of each rank: every configured workload, then the bound runs."""
+    cfg = BenchConfig.from_dict(cfg_dict)
+    run = cfg.bench
+    torch.set_num_threads(run.threads)
+    device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
+    probe = FSDPProbe()
+    results: dict[str, Any] = {}
+    with probe.installed():
+        for name in run.workloads:
+            w = workload(name, dim=run.dim, hidden=run.hidden, n_blocks=run.n_blocks, rows=run.rows)
+            if device.type == "cuda":
+                base = w.make_batch
+                w = dataclasses.replace(w, make_batch=lambda s, mb, base=base: base(s, mb).to(device))
+            start = time.perf_counter()
+            results[name] = measure_workload(mesh, w, run, probe, device, Path(out_dir))
+            if dist.get_rank() == 0:
+                print(f"bench: {name} measured in {time.perf_counter() - start:.1f} s", flush=True)
+    return {"rank": dist.get_rank(), "backend": dist.get_backend(), "workloads": results}
+
+
+# --- launching the ranks -----------------------------------------------------------------------------
+
+
+def run_ranks(cfg: BenchConfig, out_dir: Path) -> list[dict[str, Any]]:
+    """All ranks of the measured run: NCCL on GPUs when present, else gloo on CPU."""
+    run = cfg.bench
+    if torch.cuda.is_available():
+        world = min(run.world_size, torch.cuda.device_count())
+        if world < 2:
+            raise SystemExit("recipes/bench.py: the CUDA run needs at least 2 GPUs (communication is the point)")
+        return spawn(measure_rank, cfg.to_dict(), str(out_dir), world_size=world, timeout_s=run.timeout_s, backend="nccl")
+    return spawn(measure_rank, cfg.to_dict(), str(out_dir), world_size=run.world_size, timeout_s=run.timeout_s)
+
+
+# --- scheduler CPU cost (fake backend) -------------------------------------------------------------
+
+
+def measure_cpu_cost(cfg: BenchConfig) -> dict[str, Any]:
+    """Step time of plain FSDP2 vs each scheduler mode with no-op collectives: the scheduler's own CPU time."""
+    cc = cfg.cpu_cost
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with fake_world(cc.world_size) as mesh:
+            w = workload("sequential", dim=cc.dim, hidden=cc.hidden, n_blocks=cc.units, rows=cc.rows)
+            run = dataclasses.replace(cfg.bench, quick=False)
+            contenders = [build_contender(mode, w, mesh, run) for mode in ("plain", "demand", "static", "record_and_replay")]
+            times: dict[str, list[float]] = {c.mode: [] for c in contenders}
+            demands = 0
+            for step in range(cc.warmup_steps + cc.steps):
+                for c in contenders:
+                    record = timed_step(c, w, step, None, torch.device("cpu"))
+                    if step >= cc.warmup_steps:
+                        times[c.mode].append(record["step_s"])
+                        if c.mode == "record_and_replay":
+                            demands = record["stats"]["demands"]
+            for c in contenders:
+                if c.sched is not None:
+                    c.sched.detach()
+                c.observer.remove()
+    finally:
+        torch.set_num_threads(threads)
+    medians = {m: statistics.median(t) for m, t in times.items()}
+    plain = medians["plain"]
+    return {
+        "world_size": cc.world_size,
+        "units": cc.units,
+        "demands_per_step": demands,
+        "median_step_s": medians,
+        "step_s": times,
+        "overhead_vs_plain": {m: (s - plain) / plain for m, s in medians.items() if m != "plain"},
+        "per_demand_us": {m: (s - plain) / demands * 1e6 for m, s in medians.items() if m != "plain" and demands},
+    }
+
+
+if __name__ == "__main__":
+    config_path, results_path, out_dir = sys.argv[1:4]
+    cfg = BenchConfig.from_dict(json.loads(Path(config_path).read_text()))
+    Path(results_path).write_text(json.dumps(run_ranks(cfg, Path(out_dir))))

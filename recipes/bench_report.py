@@ -1,0 +1,324 @@
+"""Turn the ranks' raw measurements into figures: medians, ratios, the bound, targets, table and plot."""
+
+from __future__ import annotations
+
+import math
+import re
+import statistics
+from pathlib import Path
+from typing import Any
+
+# Targets of issue 4, checked on every full run and written next to the figures.
+TARGET_VS_DEMAND = 1.25
+TARGET_SEQUENTIAL_VS_PLAIN = 0.98
+TARGET_IRREGULAR = 1.15
+IRREGULAR = ("out_of_order", "shared_block")
+TARGET_HIDDEN = 0.80
+TARGET_CPU_COST = 0.05
+
+RESULTS_BEGIN = "<!-- bench:results:{device} -->"
+RESULTS_END = "<!-- /bench:results:{device} -->"
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def _quartiles(xs: list[float]) -> tuple[float, float]:
+    if len(xs) < 2:
+        return (xs[0], xs[0]) if xs else (float("nan"), float("nan"))
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return q[0], q[2]
+
+
+def _exposed_by_unit(per_step: list[list[tuple[str, float]]]) -> dict[str, float]:
+    """Rank 0's exposed gather wait per unit (summed over a step's uses), median over steps, in ms."""
+    units = {name for exposures in per_step for name, _ in exposures}
+    out = {}
+    for unit in sorted(units):
+        sums = [sum(s for name, s in exposures if name == unit) for exposures in per_step]
+        out[unit] = round(_median(sums) * 1e3, 2)
+    return out
+
+
+def summarize(ranks: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]:
+    """Per workload and mode; step time is the slowest rank's, other times are the ranks' mean."""
+    names = list(ranks[0]["workloads"])
+    out: dict[str, Any] = {}
+    for name in names:
+        per_rank = [r["workloads"][name] for r in ranks]
+        w0 = per_rank[0]
+        n_steps = len(w0["modes"][modes[0]])
+        figures: dict[str, Any] = {}
+        for mode in modes:
+            steps = [[wr["modes"][mode][i] for wr in per_rank] for i in range(n_steps)]
+            step_s = [max(r["step_s"] for r in s) for s in steps]
+
+            def mean_of(key: str) -> float:
+                return _median([statistics.fmean(r[key] for r in s) for s in steps])
+
+            obs = [s[0]["observed"] for s in steps]
+            counts = {k: statistics.fmean(o.get(k, 0) for o in obs) for k in ("hit", "miss", "resident")}
+            stats = [s[0].get("stats") for s in steps]
+            q1, q3 = _quartiles(step_s)
+            figures[mode] = {
+                "median_step_s": _median(step_s),
+                "q1_step_s": q1,
+                "q3_step_s": q3,
+                "step_s": step_s,
+                "exposed_gather_s": mean_of("exposed_gather_s"),
+                "first_exposed_s": mean_of("first_exposed_s"),
+                "issue_s": mean_of("issue_s"),
+                "copy_out_s": mean_of("copy_out_s"),
+                "reduce_scatter_s": mean_of("reduce_scatter_s"),
+                "gathers": statistics.fmean(s[0]["gathers"] for s in steps),
+                "reduce_scatters": statistics.fmean(s[0]["reduce_scatters"] for s in steps),
+                "hits": counts["hit"],
+                "misses": counts["miss"],
+                "resident": counts["resident"],
+                "prefetches": statistics.fmean(s["prefetches"] for s in stats) if stats[0] else None,
+                "wasted": statistics.fmean(s["wasted"] for s in stats) if stats[0] else None,
+                "divergences": sum(s["divergences"] for s in stats) if stats[0] else None,
+                "peak_unsharded_bytes": max(r["peak_unsharded_bytes"] for s in steps for r in s),
+                "losses": [s[0]["losses"] for s in steps],
+                "exposed_by_unit_ms": _exposed_by_unit([s[0]["exposures"] for s in steps]),
+            }
+        compute = _median([max(wr["compute_only_s"][i] for wr in per_rank) for i in range(len(w0["compute_only_s"]))])
+        comm = {
+            key: _median([max(wr["comm_only"][i][key] for wr in per_rank) for i in range(len(w0["comm_only"]))])
+            for key in ("all_gather_s", "first_all_gather_s", "reduce_scatter_s")
+        }
+        overlappable = comm["all_gather_s"] - comm["first_all_gather_s"]
+        non_overlappable = comm["first_all_gather_s"] + comm["reduce_scatter_s"]
+        bound = max(compute, overlappable) + non_overlappable
+        demand_hideable = figures["demand"]["exposed_gather_s"] - figures["demand"]["first_exposed_s"]
+        for mode, f in figures.items():
+            exposed_after_first = f["exposed_gather_s"] - f["first_exposed_s"]
+            f["speedup_vs_demand"] = figures["demand"]["median_step_s"] / f["median_step_s"]
+            f["speedup_vs_plain"] = figures["plain"]["median_step_s"] / f["median_step_s"]
+            f["bound_over_step"] = bound / f["median_step_s"]
+            # Share of the hideable gather wait that this mode hid: demand exposes every gather, so
+            # its wait beyond the first gather is what a perfect prefetcher could hide in this run.
+            f["hidden_share"] = 1 - exposed_after_first / demand_hideable if demand_hideable > 0 else float("nan")
+            f["hidden_share_vs_comm_only"] = 1 - exposed_after_first / overlappable if overlappable > 0 else float("nan")
+        out[name] = {
+            "notes": w0["notes"],
+            "unit_bytes": w0["unit_bytes"],
+            "max_unit_bytes": max(w0["unit_bytes"]),
+            "recorded_demands": w0["recorded_demands"],
+            "collectives": len(w0["collectives"]),
+            "modes": figures,
+            "compute_only_s": compute,
+            "comm_only": comm,
+            "overlappable_comm_s": overlappable,
+            "non_overlappable_comm_s": non_overlappable,
+            "bound_s": bound,
+            "profile": w0.get("profile"),
+            "losses_equal": all(figures[m]["losses"] == figures[modes[0]]["losses"] for m in modes),
+        }
+    return out
+
+
+def check_targets(workloads: dict[str, Any], cpu_cost: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """Each target of the issue: the measured value and whether it holds."""
+    rows: list[dict[str, Any]] = []
+    rr = "record_and_replay"
+
+    def add(target: str, workload: str, value: float, threshold: float, met: bool) -> None:
+        rows.append({"target": target, "workload": workload, "value": value, "threshold": threshold, "met": bool(met)})
+
+    for name, w in workloads.items():
+        m = w["modes"]
+        if rr not in m:
+            continue
+        add("record_and_replay speedup vs demand", name, m[rr]["speedup_vs_demand"], TARGET_VS_DEMAND,
+            m[rr]["speedup_vs_demand"] >= TARGET_VS_DEMAND)
+        if name == "sequential":
+            add("record_and_replay vs plain FSDP2 (not >2% slower)", name, m[rr]["speedup_vs_plain"],
+                TARGET_SEQUENTIAL_VS_PLAIN, m[rr]["speedup_vs_plain"] >= TARGET_SEQUENTIAL_VS_PLAIN)
+        if name in IRREGULAR:
+            add("record_and_replay speedup vs plain FSDP2", name, m[rr]["speedup_vs_plain"], TARGET_IRREGULAR,
+                m[rr]["speedup_vs_plain"] >= TARGET_IRREGULAR)
+            if "static" in m:
+                vs_static = m["static"]["median_step_s"] / m[rr]["median_step_s"]
+                add("record_and_replay speedup vs static", name, vs_static, TARGET_IRREGULAR, vs_static >= TARGET_IRREGULAR)
+        add("record_and_replay share of hideable all-gather wait hidden", name, m[rr]["hidden_share"], TARGET_HIDDEN,
+            m[rr]["hidden_share"] >= TARGET_HIDDEN)
+        limit = m["plain"]["peak_unsharded_bytes"] + w["max_unit_bytes"]
+        for mode in m:
+            if mode != "plain":
+                add(f"{mode} peak unsharded bytes <= plain + one unit", name, m[mode]["peak_unsharded_bytes"], limit,
+                    m[mode]["peak_unsharded_bytes"] <= limit)
+    if cpu_cost is not None:
+        value = cpu_cost["overhead_vs_plain"][rr]
+        add("scheduler CPU cost vs plain FSDP2 step (fake backend)", f"{cpu_cost['units']} units, world {cpu_cost['world_size']}",
+            value, TARGET_CPU_COST, value <= TARGET_CPU_COST)
+    return rows
+
+
+# --- text ------------------------------------------------------------------------------------------
+
+
+def _ms(s: float) -> str:
+    return "n/a" if s is None or math.isnan(s) else f"{s * 1e3:.1f}"
+
+
+def _mb(b: float) -> str:
+    return f"{b / 2**20:.2f}"
+
+
+def _count(x: float | None) -> str:
+    if x is None:
+        return "n/a"
+    return f"{x:.0f}" if float(x).is_integer() else f"{x:.1f}"
+
+
+def _pct(x: float) -> str:
+    return "n/a" if x is None or math.isnan(x) else f"{100 * x:.0f}%"
+
+
+def markdown_table(workloads: dict[str, Any], modes: list[str]) -> str:
+    header = (
+        "| workload | mode | median step ms (IQR) | x demand | x plain | exposed AG wait ms | hid | "
+        "hits / misses / resident / wasted | peak unsharded MiB | bound ms (% of bound reached) |\n"
+        "|---|---|---|---|---|---|---|---|---|---|"
+    )
+    lines = [header]
+    for name, w in workloads.items():
+        for mode in modes:
+            f = w["modes"][mode]
+            lines.append(
+                f"| {name} | {mode} | {_ms(f['median_step_s'])} ({_ms(f['q1_step_s'])}-{_ms(f['q3_step_s'])}) | "
+                f"{f['speedup_vs_demand']:.2f} | {f['speedup_vs_plain']:.2f} | {_ms(f['exposed_gather_s'])} | "
+                f"{_pct(f['hidden_share'])} | {_count(f['hits'])} / {_count(f['misses'])} / {_count(f['resident'])} / "
+                f"{_count(f['wasted'])} | {_mb(f['peak_unsharded_bytes'])} | "
+                f"{_ms(w['bound_s'])} ({_pct(f['bound_over_step'])}) |"
+            )
+    return "\n".join(lines)
+
+
+def bound_table(workloads: dict[str, Any]) -> str:
+    lines = [
+        "| workload | compute only ms | all-gathers ms (first) | reduce-scatters ms | overlappable ms | "
+        "not overlappable ms | bound ms | units x MiB | collectives |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, w in workloads.items():
+        c = w["comm_only"]
+        lines.append(
+            f"| {name} | {_ms(w['compute_only_s'])} | {_ms(c['all_gather_s'])} ({_ms(c['first_all_gather_s'])}) | "
+            f"{_ms(c['reduce_scatter_s'])} | {_ms(w['overlappable_comm_s'])} | {_ms(w['non_overlappable_comm_s'])} | "
+            f"{_ms(w['bound_s'])} | {len(w['unit_bytes'])} x {_mb(w['max_unit_bytes'])} | {w['collectives']} |"
+        )
+    return "\n".join(lines)
+
+
+def cpu_cost_table(cpu_cost: dict[str, Any]) -> str:
+    lines = [
+        f"Fake backend, world size {cpu_cost['world_size']}, {cpu_cost['units']} units, "
+        f"{cpu_cost['demands_per_step']} demands per step, median of {len(cpu_cost['step_s']['plain'])} steps:",
+        "",
+        "| mode | median step ms | overhead vs plain FSDP2 | per demand µs |",
+        "|---|---|---|---|",
+    ]
+    for mode, s in cpu_cost["median_step_s"].items():
+        over = cpu_cost["overhead_vs_plain"].get(mode)
+        per = cpu_cost["per_demand_us"].get(mode)
+        lines.append(
+            f"| {mode} | {s * 1e3:.2f} | {'-' if over is None else f'{100 * over:+.1f}%'} | "
+            f"{'-' if per is None else f'{per:.1f}'} |"
+        )
+    return "\n".join(lines)
+
+
+def targets_table(targets: list[dict[str, Any]]) -> str:
+    lines = ["| target | workload | measured | threshold | met |", "|---|---|---|---|---|"]
+    for t in targets:
+        bytes_target = "bytes" in t["target"]
+        value = _mb(t["value"]) + " MiB" if bytes_target else f"{t['value']:.3f}"
+        threshold = _mb(t["threshold"]) + " MiB" if bytes_target else f"{t['threshold']:.3f}"
+        lines.append(f"| {t['target']} | {t['workload']} | {value} | {threshold} | {'yes' if t['met'] else '**no**'} |")
+    return "\n".join(lines)
+
+
+def render(report: dict[str, Any]) -> str:
+    """The generated section of BENCHMARKS.md (and ``table.md``)."""
+    modes = report["config"]["bench"]["modes"]
+    m = report["machine"]
+    parts = [
+        f"Command: `{report['command']}`",
+        "",
+        f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']:.0f} GiB, {m['platform']}, "
+        f"torch {m['torch']}, backend {report['backend']}, {report['config']['bench']['threads']} compute thread(s) "
+        f"per rank, world size {report['world_size']}. Load average before/after: {m['load_before']} / {m['load_after']}.",
+        "",
+        f"Interconnect: {report['interconnect']}",
+        "",
+        f"Model: {report['config']['bench']['n_blocks']} blocks of dim {report['config']['bench']['dim']}, "
+        f"hidden {report['config']['bench']['hidden']}, {report['config']['bench']['rows']} rows per microbatch; "
+        f"{report['config']['bench']['warmup_steps']} warmup + {report['config']['bench']['steps']} timed steps "
+        f"per mode, alternating {' '.join(modes)}. Run took {report['wall_s']:.0f} s.",
+        "",
+        "### Step time per mode",
+        "",
+        markdown_table(report["workloads"], modes),
+        "",
+        "### Physical limit",
+        "",
+        bound_table(report["workloads"]),
+        "",
+    ]
+    if report.get("cpu_cost"):
+        parts += ["### Scheduler CPU cost", "", cpu_cost_table(report["cpu_cost"]), ""]
+    parts += ["### Targets", "", targets_table(report["targets"]), ""]
+    if report.get("plot"):
+        parts += [f"![step time per mode and workload, bound drawn in]({report['plot']})", ""]
+    return "\n".join(parts)
+
+
+def update_markdown(path: Path, section: str, device: str) -> None:
+    """Replace the generated region of ``path`` for ``device`` (cpu or cuda), creating it if absent."""
+    begin, end = RESULTS_BEGIN.format(device=device), RESULTS_END.format(device=device)
+    text = path.read_text() if path.exists() else ""
+    block = f"{begin}\n{section}\n{end}"
+    if begin in text and end in text:
+        text = re.sub(re.escape(begin) + r".*?" + re.escape(end), lambda _: block, text, flags=re.S)
+    else:
+        text = text.rstrip() + f"\n\n{block}\n"
+    path.write_text(text)
+
+
+# --- plot ------------------------------------------------------------------------------------------
+
+
+def plot(report: dict[str, Any], path: Path) -> str | None:
+    """Grouped bars of median step time (IQR whiskers) per workload, with the bound as a line. None: no matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    modes = report["config"]["bench"]["modes"]
+    workloads = report["workloads"]
+    fig, ax = plt.subplots(figsize=(2.2 * len(workloads) + 2, 4.5))
+    width = 0.8 / len(modes)
+    for j, mode in enumerate(modes):
+        xs = [i + (j - (len(modes) - 1) / 2) * width for i in range(len(workloads))]
+        med = [w["modes"][mode]["median_step_s"] * 1e3 for w in workloads.values()]
+        lo = [m - w["modes"][mode]["q1_step_s"] * 1e3 for m, w in zip(med, workloads.values())]
+        hi = [w["modes"][mode]["q3_step_s"] * 1e3 - m for m, w in zip(med, workloads.values())]
+        ax.bar(xs, med, width, yerr=[lo, hi], capsize=2, label=mode)
+    for i, w in enumerate(workloads.values()):
+        label = "bound: max(compute, overlappable comm) + non-overlappable" if i == 0 else None
+        ax.hlines(w["bound_s"] * 1e3, i - 0.45, i + 0.45, colors="black", linestyles="--", label=label)
+    ax.set_xticks(range(len(workloads)))
+    ax.set_xticklabels(list(workloads), rotation=15)
+    ax.set_ylabel("median step time (ms)")
+    ax.set_title(f"fsdp_replay benchmark: {report['backend']}, {report['interconnect_short']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path.name

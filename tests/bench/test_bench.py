@@ -1,0 +1,120 @@
+"""The benchmark harness (recipes/bench.py bench.quick=true) runs end to end and its invariants hold.
+
+Timings are not checked here (CI machines are noisy); what is checked is that every mode computes
+the same losses, that the counters mean what the table says, and that the rate-limited namespace
+is removed afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPES = REPO / "recipes"
+sys.path.insert(0, str(RECIPES))
+
+import bench_netns  # noqa: E402
+from bench_config import MODES, WORKLOADS  # noqa: E402
+
+
+def _namespaces() -> set[str]:
+    if bench_netns.available() is not None:
+        return set()
+    out = subprocess.run(["ip", "netns", "list"], check=True, capture_output=True, text=True).stdout
+    return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory) -> tuple[dict, Path, str, set[str]]:
+    run_dir = tmp_path_factory.mktemp("bench")
+    md = run_dir / "BENCHMARKS.md"
+    md.write_text("# Benchmarks\n\nhand-written analysis stays\n")
+    before = _namespaces()
+    proc = subprocess.run(
+        [sys.executable, str(RECIPES / "bench.py"), "bench.quick=true", f"hydra.run.dir={run_dir}",
+         f"bench.update_benchmarks_md={md}"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    leaked = _namespaces() - before
+    return json.loads((run_dir / "results.json").read_text()), run_dir, proc.stdout, leaked
+
+
+def test_quick_run_writes_table_json_plot_and_markdown_section(quick_run):
+    report, run_dir, stdout, _ = quick_run
+    assert "| workload | mode | median step ms" in stdout
+    table = (run_dir / "table.md").read_text()
+    assert table.split("![")[0].strip() in stdout  # the printed section is table.md (image link aside)
+    assert set(report["workloads"]) == set(WORKLOADS)
+    md = (run_dir / "BENCHMARKS.md").read_text()
+    assert "hand-written analysis stays" in md and "<!-- bench:results:cpu -->" in md
+    pytest.importorskip("matplotlib")
+    assert (run_dir / "bench.png").stat().st_size > 0 and (run_dir / "bench_cpu.png").exists()
+
+
+def test_every_mode_computes_the_same_losses_as_plain_fsdp2(quick_run):
+    report = quick_run[0]
+    for name, w in report["workloads"].items():
+        plain = w["modes"]["plain"]["losses"]
+        for mode in MODES:
+            assert w["modes"][mode]["losses"] == plain, (name, mode)
+
+
+def test_replay_hits_every_gather_and_demand_prefetches_nothing(quick_run):
+    for name, w in quick_run[0]["workloads"].items():
+        rr, demand = w["modes"]["record_and_replay"], w["modes"]["demand"]
+        assert rr["misses"] == 0 and rr["wasted"] == 0 and rr["divergences"] == 0, name
+        assert rr["hits"] == rr["gathers"] > 0, name
+        assert demand["hits"] == 0 and demand["prefetches"] == 0, name
+        assert w["recorded_demands"] == rr["hits"] + rr["resident"], name
+
+
+def test_peak_unsharded_bytes_with_prefetch_one_stays_within_plain_plus_one_unit(quick_run):
+    for name, w in quick_run[0]["workloads"].items():
+        limit = w["modes"]["plain"]["peak_unsharded_bytes"] + w["max_unit_bytes"]
+        assert w["modes"]["record_and_replay"]["peak_unsharded_bytes"] <= limit, name
+        assert w["modes"]["demand"]["peak_unsharded_bytes"] <= w["modes"]["plain"]["peak_unsharded_bytes"], name
+
+
+def test_bound_is_built_from_compute_and_communication(quick_run):
+    for name, w in quick_run[0]["workloads"].items():
+        assert w["compute_only_s"] > 0 and w["comm_only"]["all_gather_s"] > 0 and w["comm_only"]["reduce_scatter_s"] > 0
+        expected = max(w["compute_only_s"], w["overlappable_comm_s"]) + w["non_overlappable_comm_s"]
+        assert w["bound_s"] == pytest.approx(expected), name
+        # comm-only replays exactly the demand mode's collectives: its gathers and reduce-scatters
+        demand = w["modes"]["demand"]
+        assert w["collectives"] == demand["gathers"] + demand["reduce_scatters"], name
+        assert demand["gathers"] == demand["misses"], name
+
+
+def test_cpu_cost_and_targets_are_reported(quick_run):
+    report = quick_run[0]
+    cost = report["cpu_cost"]
+    assert cost["world_size"] == 8 and cost["demands_per_step"] > cost["units"]
+    assert set(cost["overhead_vs_plain"]) == {"demand", "static", "record_and_replay"}
+    assert any(t["target"].startswith("scheduler CPU cost") for t in report["targets"])
+
+
+def test_rate_limited_namespace_is_used_as_root_and_removed(quick_run):
+    report, _, _, leaked = quick_run
+    if bench_netns.available() is None:
+        assert report["rate_limited"] and "tbf" in report["interconnect"]
+        assert not leaked
+    else:
+        assert not report["rate_limited"] and "plain loopback" in report["interconnect"]
+
+
+@pytest.mark.skipif(bench_netns.available() is not None, reason="creating a network namespace needs root and iproute2")
+def test_namespace_is_deleted_when_the_run_inside_fails():
+    with pytest.raises(RuntimeError, match="boom"):
+        with bench_netns.rate_limited_namespace(rate="2gbit", burst="256kb", latency="100ms", prefix="fsdpbenchtest") as name:
+            assert bench_netns.exists(name) and "tbf" in bench_netns.qdisc(name)
+            raise RuntimeError("boom")
+    assert not bench_netns.exists(name)
