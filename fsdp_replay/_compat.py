@@ -134,9 +134,14 @@ def completes_forward(state: Any, module: nn.Module) -> bool:
     return len(pending) == 1 and module in pending
 
 
+def graph_task_id() -> int:
+    """The running autograd graph task, or -1 outside backward."""
+    return torch._C._current_graph_task_id()
+
+
 def in_backward() -> bool:
     """Inside an autograd graph task: a forward here is activation-checkpoint recompute."""
-    return torch._C._current_graph_task_id() != -1
+    return graph_task_id() != -1
 
 
 # --- issuing and releasing all-gathers --------------------------------------------------------
@@ -201,8 +206,17 @@ def ensure_lazy_init(root_state: Any) -> None:
 def reset_iter_state(root: nn.Module) -> None:
     """FSDP2's recovery after an exception aborted a forward or backward mid-flight."""
     state = fsdp_state(root)
-    if state is not None and getattr(state, "_is_root", None):
-        root.reset_iter_state()
+    if state is None or not getattr(state, "_is_root", None):
+        return
+    root.reset_iter_state()
+    if INTERNALS_OK:
+        # Autograd may already have written .grad to unsharded parameters of units that stay
+        # unsharded (the root); reset_iter_state leaves it, so the next backward would add to it.
+        for unit_state in state._state_ctx.all_states:
+            for group in unit_state._fsdp_param_groups:
+                for fsdp_param in group.fsdp_params:
+                    if (unsharded := getattr(fsdp_param, "_unsharded_param", None)) is not None:
+                        unsharded.grad = None
 
 
 def trace(*label: str) -> contextlib.AbstractContextManager:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -40,16 +41,21 @@ def attach(root: nn.Module, config: PrefetchConfig | Mapping[str, Any] | None = 
     for other in list(_ATTACHED):
         if other.attached and any(u._state() is state for u in other.units):
             raise RuntimeError("attach(): this module is a unit of a scheduler already attached to an outer root")
-    if config is None:
-        config = PrefetchConfig()
-    elif isinstance(config, Mapping):
-        config = PrefetchConfig(**config)
-    elif not isinstance(config, PrefetchConfig):
-        raise TypeError(f"attach(config=...) takes a PrefetchConfig, a mapping or None, got {type(config).__name__}")
-    scheduler = PrefetchScheduler(root, config)
+    scheduler = PrefetchScheduler(root, _validated(config))
     setattr(root, _ATTRIBUTE, scheduler)
     _ATTACHED.add(scheduler)
     return scheduler
+
+
+def _validated(config: PrefetchConfig | Mapping[str, Any] | None) -> PrefetchConfig:
+    """A private, re-validated copy: a config mutated after construction is checked again."""
+    if config is None:
+        return PrefetchConfig()
+    if isinstance(config, Mapping):
+        return PrefetchConfig(**config)
+    if isinstance(config, PrefetchConfig):
+        return dataclasses.replace(config)
+    raise TypeError(f"the prefetch config takes a PrefetchConfig, a mapping or None, got {type(config).__name__}")
 
 
 def scheduler_of(root: nn.Module) -> PrefetchScheduler | None:
@@ -58,14 +64,20 @@ def scheduler_of(root: nn.Module) -> PrefetchScheduler | None:
     return scheduler if scheduler is not None and scheduler.attached else None
 
 
-def fully_shard(module: nn.Module | list[nn.Module], *, prefetch: PrefetchConfig | None = None, **kwargs: Any) -> Any:
+def fully_shard(
+    module: nn.Module | list[nn.Module],
+    *,
+    prefetch: PrefetchConfig | Mapping[str, Any] | None = None,
+    **kwargs: Any,
+) -> Any:
     """Drop-in for ``torch.distributed.fsdp.fully_shard``; ``prefetch=`` on the root call attaches a scheduler."""
     if prefetch is not None and not isinstance(module, nn.Module):
         raise ValueError(
             "fully_shard(prefetch=...) belongs on the root call (one module); got a list of modules, "
             "which forms a grouped unit"
         )
+    config = _validated(prefetch) if prefetch is not None else None  # before sharding: no half-made root
     sharded = torch_fully_shard(module, **kwargs)
-    if prefetch is not None:
-        attach(sharded, prefetch)
+    if config is not None:
+        attach(sharded, config)
     return sharded

@@ -68,7 +68,9 @@ class HookSet:
         # Only replay refills after a post-backward reshard; other modes skip that autograd node.
         self._watch_post_backward = watch_post_backward
         self._handles: list[RemovableHandle] = []
-        self._backward_end_queued = False
+        # Graph task whose end-of-backward callback is queued. A backward that raises drops its
+        # callbacks, so a flag would never be cleared; a new graph task queues afresh.
+        self._backward_end_task = -1
 
     def __len__(self) -> int:
         return len(self._handles)
@@ -142,8 +144,8 @@ class HookSet:
         if demand.fired:
             return
         demand.fired = True
-        if not self._backward_end_queued:
-            self._backward_end_queued = True
+        if (task := _compat.graph_task_id()) != self._backward_end_task:
+            self._backward_end_task = task
             Variable._execution_engine.queue_callback(self._requeue_backward_end)
         self._events.on_demand(unit, Phase.backward)
 
@@ -153,5 +155,5 @@ class HookSet:
         Variable._execution_engine.queue_callback(self._on_backward_end)
 
     def _on_backward_end(self) -> None:
-        self._backward_end_queued = False
+        self._backward_end_task = -1
         self._events.on_backward_end()

@@ -7,9 +7,11 @@ such as ``prefetch.mode=static`` sets exactly the field a Python user passes to 
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import os
 import sys
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -169,6 +171,17 @@ def register_configs() -> None:
     cs.store(group="model", name="base_model", node=ModelConfig)
 
 
+def _reject_unknown_keys(node: DictConfig, schema: type, path: str = "") -> None:
+    """``+group.typo=1`` composes (``+`` may add keys) but would be dropped silently: name it."""
+    names = [f.name for f in dataclasses.fields(schema)]
+    hints = typing.get_type_hints(schema)
+    for key in node.keys():
+        if key not in names:
+            raise ValueError(f"unknown config field '{path}{key}'; {schema.__name__} has {', '.join(names)}")
+        if dataclasses.is_dataclass(hints[key]) and isinstance(node[key], DictConfig):
+            _reject_unknown_keys(node[key], hints[key], f"{path}{key}.")
+
+
 def to_job_config(cfg: DictConfig) -> TrainJobConfig:
     """Build the dataclasses, which runs their ``__post_init__`` validation.
 
@@ -176,6 +189,7 @@ def to_job_config(cfg: DictConfig) -> TrainJobConfig:
     ``prefetch.forward_prefetch=-1``; converting to objects does, so call this before any
     process group starts. Raises ``ValueError`` naming the field and its valid values.
     """
+    _reject_unknown_keys(cfg, TrainJobConfig)
     job = OmegaConf.to_object(cfg)
     if not isinstance(job, TrainJobConfig):
         raise ValueError(f"expected a config built on 'train_schema', got {type(job).__name__}")

@@ -10,9 +10,11 @@ Outputs go to ``outputs/<train.run_name>/``: ``metrics.jsonl`` (one line per ste
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -126,6 +128,20 @@ def evaluate(
     return global_mean(total / batches)
 
 
+def remove_if_only_hydra_files(run_dir: Path) -> None:
+    """Hydra creates the run directory before the config is validated; a rejected run leaves none.
+
+    Only a directory holding nothing but Hydra's own files (``.hydra/``, an empty ``train.log``)
+    is removed, so an earlier run's metrics or checkpoints are never touched.
+    """
+    entries = {p.name for p in run_dir.iterdir()} if run_dir.is_dir() else set()
+    log_file = run_dir / "train.log"
+    if entries <= {".hydra", "train.log"} and (not log_file.exists() or log_file.stat().st_size == 0):
+        shutil.rmtree(run_dir, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            run_dir.parent.rmdir()  # outputs/ too, if this run made it and nothing else is there
+
+
 @hydra.main(config_path="../configs", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     # --- setup: config and data errors surface here, before any process group exists ---------
@@ -136,6 +152,7 @@ def main(cfg: DictConfig) -> None:
             batch_size=job.train.batch_size, seed=job.train.seed,
         )
     except ValueError as err:
+        remove_if_only_hydra_files(Path(HydraConfig.get().runtime.output_dir))
         raise SystemExit(f"recipes/train.py: invalid config: {err}") from None
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     device, mesh = init_distributed()

@@ -1,0 +1,329 @@
+"""Shared machinery of the reliability suite: profiles, a per-example-timeout gloo launcher, FSDP2 leak checks.
+
+The launcher differs from :func:`fsdp_replay.testing.distributed.spawn` in what it reports: ranks
+run a *list* of examples in one process group (spawning costs ~5 s per call), each example
+under its own watchdog, and a hang or crash names the example that was running on every rank
+together with the stacks of the hung ranks. A rank that dies without reporting fails the call at
+once instead of at the overall deadline.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import io
+import json
+import os
+import queue
+import socket
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+
+LONG = os.environ.get("FSDP_REPLAY_LONG", "") not in ("", "0")
+"""The long profile (``FSDP_REPLAY_LONG=1``): more examples, more faults, 2,000-iteration soak."""
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Sizes of one run of the suite."""
+
+    schedule_examples: int
+    """Random models x schedules drawn by hypothesis; each runs plain FSDP2 and all three modes."""
+    steps: int
+    """Iterations per run: one recording, then replays across optimizer steps."""
+    soak_iterations: int
+    """Replayed iterations of the soak test."""
+    example_timeout_s: float
+    """One example running longer than this on any rank counts as a hang."""
+
+
+PROFILE = (
+    Profile(schedule_examples=400, steps=4, soak_iterations=2000, example_timeout_s=60.0)
+    if LONG
+    else Profile(schedule_examples=32, steps=3, soak_iterations=60, example_timeout_s=60.0)
+)
+if os.environ.get("FSDP_REPLAY_EXAMPLES"):
+    PROFILE = Profile(**{**PROFILE.__dict__, "schedule_examples": int(os.environ["FSDP_REPLAY_EXAMPLES"])})
+
+
+def record_figures(section: str, figures: dict[str, Any]) -> None:
+    """Append one JSON line to ``$FSDP_REPLAY_FIGURES`` (if set): the numbers RELIABILITY.md quotes."""
+    path = os.environ.get("FSDP_REPLAY_FIGURES")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"section": section, "long": LONG, **figures}) + "\n")
+
+
+# --- launcher -------------------------------------------------------------------------------------
+
+
+class ExampleHang(TimeoutError):
+    """An example did not finish on some rank within the per-example timeout."""
+
+
+class ExampleFailure(RuntimeError):
+    """An example raised on some rank."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(
+    fn: Callable[..., Any],
+    examples: Sequence[Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    workdir: str,
+    example_timeout_s: float,
+    results: Any,
+) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    progress = Path(workdir, f"progress.{rank}")
+    stacks = open(Path(workdir, f"stacks.{rank}"), "w")
+    index = -1
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+        mesh = init_device_mesh("cpu", (world_size,))
+        out = []
+        for index, example in enumerate(examples):
+            progress.write_text(f"{index}\n")
+            # Dumps every thread's stack and exits the rank: the parent sees it die and reports it.
+            faulthandler.dump_traceback_later(example_timeout_s, exit=True, file=stacks)
+            out.append(fn(mesh, example))
+            faulthandler.cancel_dump_traceback_later()
+        progress.write_text("done\n")
+        buffer = io.BytesIO()
+        torch.save(out, buffer)
+        results.put((rank, True, buffer.getvalue()))
+    except BaseException:
+        faulthandler.cancel_dump_traceback_later()
+        results.put((rank, False, f"example #{index}: {examples[index]!r}\n{traceback.format_exc()}"))
+    finally:
+        stacks.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _running(workdir: str, world_size: int, examples: Sequence[Any]) -> str:
+    lines = []
+    for rank in range(world_size):
+        try:
+            at = Path(workdir, f"progress.{rank}").read_text().strip()
+        except FileNotFoundError:
+            at = "not started (process group setup)"
+        if at.isdigit():
+            at = f"example #{at}: {examples[int(at)]!r}"
+        lines.append(f"  rank {rank}: {at}")
+        stack = Path(workdir, f"stacks.{rank}")
+        if stack.exists() and stack.stat().st_size:
+            lines.append("    stacks at the timeout:\n" + _indent(stack.read_text()[-4000:], 6))
+    return "\n".join(lines)
+
+
+def _indent(text: str, n: int) -> str:
+    return "\n".join(" " * n + line for line in text.splitlines())
+
+
+def run_examples(
+    fn: Callable[[Any, Any], Any],
+    examples: Sequence[Any],
+    *,
+    world_size: int = 2,
+    example_timeout_s: float | None = None,
+    startup_s: float = 60.0,
+) -> list[list[Any]]:
+    """``[fn(mesh, e) for e in examples]`` on every gloo rank; returns one result list per rank.
+
+    Every rank gets the same examples in the same order, so their collectives match. An example
+    exceeding ``example_timeout_s`` on any rank fails with :class:`ExampleHang` naming it.
+    """
+    example_timeout_s = example_timeout_s or PROFILE.example_timeout_s
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    workdir = tempfile.mkdtemp(prefix="fsdp_replay_reliability_")
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(fn, list(examples), r, world_size, port, workdir, example_timeout_s, results),
+            daemon=True,
+        )
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    got: dict[int, Any] = {}
+    deadline = time.monotonic() + startup_s + example_timeout_s * max(len(examples), 1)
+    try:
+        while len(got) < world_size:
+            try:
+                rank, ok, payload = results.get(timeout=0.5)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in got and not p.is_alive()]
+                if dead or time.monotonic() > deadline:
+                    what = f"ranks {dead} exited without a result" if dead else "the overall deadline passed"
+                    raise ExampleHang(
+                        f"{fn.__qualname__}: {what} (per-example timeout {example_timeout_s:.0f}s); running:\n"
+                        + _running(workdir, world_size, examples)
+                    ) from None
+                continue
+            if not ok:
+                raise ExampleFailure(f"{fn.__qualname__} failed on rank {rank}, {payload}")
+            got[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+    finally:
+        for p in procs:
+            p.join(timeout=10 if len(got) == world_size else 0.1)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [got[r] for r in range(world_size)]
+
+
+# --- FSDP2 state checks -----------------------------------------------------------------------------
+
+
+def fsdp_states(root: nn.Module) -> dict[str, Any]:
+    """Every FSDP2 state with parameters under ``root``, by its first module's name."""
+    from torch.distributed._composable_state import _get_module_state
+    from torch.distributed.fsdp import FSDPModule
+
+    states: dict[Any, str] = {}
+    for name, module in root.named_modules():
+        if isinstance(module, FSDPModule):
+            state = _get_module_state(module)
+            if state._fsdp_param_groups and state not in states:
+                states[state] = name or "<root>"
+    return {name: state for state, name in states.items()}
+
+
+def gather_leaks(root: nn.Module) -> list[str]:
+    """Units with an all-gather still pending or parameters still unsharded (empty = clean)."""
+    problems = []
+    for name, state in fsdp_states(root).items():
+        for group in state._fsdp_param_groups:
+            if group._all_gather_result is not None:
+                problems.append(f"{name}: all-gather pending")
+            if not group.is_sharded:
+                problems.append(f"{name}: parameters not resharded")
+    return problems
+
+
+def hook_count(root: nn.Module) -> int:
+    """Module hooks of every kind on every module under ``root``."""
+    total = 0
+    for m in root.modules():
+        for attr in ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks", "_backward_pre_hooks"):
+            total += len(getattr(m, attr))
+    return total
+
+
+def local_grads(model: nn.Module) -> list[torch.Tensor | None]:
+    return [None if p.grad is None else p.grad.to_local().clone() for p in model.parameters()]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits, so NaNs compare equal to identical NaNs (a diverged run must still match bitwise)."""
+    return t.contiguous().view(torch.int32) if t.dtype == torch.float32 else t
+
+
+def same_tensors(a: Sequence[torch.Tensor | None], b: Sequence[torch.Tensor | None]) -> bool:
+    return len(a) == len(b) and all(
+        (x is None and y is None) or (x is not None and y is not None and torch.equal(_bits(x), _bits(y)))
+        for x, y in zip(a, b)
+    )
+
+
+def same_floats(a: Sequence[float], b: Sequence[float]) -> bool:
+    """Bitwise equality of Python floats (NaN == NaN when the bits agree)."""
+    return same_tensors([torch.tensor(a, dtype=torch.float32)], [torch.tensor(b, dtype=torch.float32)])
+
+
+# --- models and schedules -------------------------------------------------------------------------
+
+Schedule = tuple[tuple[str, int], ...]
+SEQUENTIAL: Schedule = (("F", 0), ("B", 0))
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A :class:`CallSequenceModel` and how it is sharded; blocks not in ``calls`` never run."""
+
+    n_blocks: int
+    calls: tuple[int, ...]
+    spans: tuple[tuple[int, int], ...] = ()
+    """Checkpointed slices of ``calls`` (non-reentrant activation checkpointing)."""
+    keep_unsharded: tuple[int, ...] = ()
+    """Blocks sharded with ``reshard_after_forward=False``."""
+    dim: int = 8
+    hidden: int = 16
+    rows: int = 4
+
+    @property
+    def units(self) -> int:
+        return self.n_blocks + 1
+
+
+def build_model(mesh: Any, spec: ModelSpec) -> nn.Module:
+    """Seeded identically on every rank and in every run, sharded one unit per block plus the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    from fsdp_replay.testing.workloads import CallSequenceModel
+
+    torch.manual_seed(0)
+    model = CallSequenceModel(
+        dim=spec.dim, hidden=spec.hidden, n_blocks=spec.n_blocks, calls=spec.calls, checkpoint_spans=spec.spans
+    )
+    for i, block in enumerate(model.blocks):
+        fully_shard(block, mesh=mesh, reshard_after_forward=i not in spec.keep_unsharded)
+    return fully_shard(model, mesh=mesh)
+
+
+def make_batch(spec: ModelSpec, step: int, mb: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + mb)
+    return torch.randn(spec.rows, spec.dim, generator=g)
+
+
+def run_schedule(
+    model: nn.Module,
+    spec: ModelSpec,
+    schedule: Schedule,
+    step: int,
+    *,
+    loss_fn: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
+) -> list[float]:
+    """Microbatch forwards and backwards in ``schedule`` order; returns the losses by microbatch."""
+    losses: dict[int, torch.Tensor] = {}
+    for op, mb in schedule:
+        if op == "F":
+            out = model(make_batch(spec, step, mb))
+            losses[mb] = loss_fn(out, mb) if loss_fn is not None else out
+        else:
+            losses[mb].backward()
+    return [losses[mb].item() for mb in sorted(losses)]
+
+
+def stats_delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
+    return {k: after[k] - before.get(k, 0) for k in after}
+
+
+def stats_consistent(sched: Any) -> list[str]:
+    """``demands == hits + misses + resident`` in the totals and in every key's breakdown."""
+    problems = []
+    for label, s in [("total", sched.stats), *sched.stats.per_key.items()]:
+        if s.demands != s.hits + s.misses + s.resident:
+            problems.append(f"{label}: demands {s.demands} != hits {s.hits} + misses {s.misses} + resident {s.resident}")
+    return problems
