@@ -41,7 +41,7 @@ class MicrobatchSchedule(enum.Enum):
     """F0 F1 B0 F2 B1 ... B(n-1): 1F1B-style, one forward ahead of the backwards."""
 
 
-def _at_least(minimum: int, owner: object, *names: str) -> None:
+def require_at_least(minimum: int, owner: object, *names: str) -> None:
     """Reject integer fields below ``minimum``, naming the field as the user types it."""
     for name in names:
         value = getattr(owner, name)
@@ -75,7 +75,7 @@ class ModelConfig:
     """Passes through the block stack per forward; > 1 reuses every block (weight sharing across depth)."""
 
     def __post_init__(self) -> None:
-        _at_least(1, self, "vocab_size", "dim", "n_layers", "n_heads", "ffn_dim", "max_seq_len", "depth_repeats")
+        require_at_least(1, self, "vocab_size", "dim", "n_layers", "n_heads", "ffn_dim", "max_seq_len", "depth_repeats")
         if self.dim % self.n_heads or (self.dim // self.n_heads) % 2:
             raise ValueError(
                 f"ModelConfig.dim must be a multiple of 2 * n_heads (even rotary head dim), "
@@ -97,7 +97,7 @@ class DataConfig:
     def __post_init__(self) -> None:
         if self.path is not None and not Path(self.path).is_file():
             raise ValueError(f"DataConfig.path: no such file {self.path!r} (relative to {os.getcwd()})")
-        _at_least(1, self, "synthetic_tokens")
+        require_at_least(1, self, "synthetic_tokens")
         if not 0.0 < self.eval_fraction < 1.0:
             raise ValueError(f"DataConfig.eval_fraction must be in (0, 1), got {self.eval_fraction!r}")
 
@@ -134,8 +134,8 @@ class TrainConfig:
     """Checkpoint directory to resume from: weights, optimizer, step and the recorded prefetch orders."""
 
     def __post_init__(self) -> None:
-        _at_least(1, self, "steps", "batch_size", "seq_len", "microbatches", "eval_batches")
-        _at_least(0, self, "activation_checkpointing", "eval_every", "save_every")
+        require_at_least(1, self, "steps", "batch_size", "seq_len", "microbatches", "eval_batches")
+        require_at_least(0, self, "activation_checkpointing", "eval_every", "save_every")
         if self.resume_from is not None and not Path(self.resume_from).is_dir():
             raise ValueError(f"TrainConfig.resume_from: no such checkpoint directory {self.resume_from!r}")
 

@@ -9,16 +9,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from fsdp_replay.hydra import require_at_least
+
 MODES = ("plain", "demand", "static", "record_and_replay")
 """``plain`` is torch's ``fully_shard`` with no scheduler attached (FSDP2's own default prefetch)."""
 WORKLOADS = ("sequential", "out_of_order", "shared_block", "checkpointed", "interleaved_1f1b")
-
-
-def _at_least(minimum: int, owner: object, *names: str) -> None:
-    for name in names:
-        value = getattr(owner, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ValueError(f"{type(owner).__name__}.{name} must be an integer >= {minimum}, got {value!r}")
 
 
 @dataclass
@@ -61,9 +56,9 @@ class RunConfig:
         if self.quick:
             self.dim, self.hidden, self.n_blocks, self.rows = 64, 128, 4, 16
             self.warmup_steps, self.steps, self.bound_steps = 2, 2, 1
-        _at_least(1, self, "dim", "hidden", "n_blocks", "rows", "steps", "threads", "bound_steps")
-        _at_least(2, self, "warmup_steps", "world_size")  # record, then one replayed warmup
-        _at_least(0, self, "forward_prefetch", "backward_prefetch")
+        require_at_least(1, self, "dim", "hidden", "n_blocks", "rows", "steps", "threads", "bound_steps")
+        require_at_least(2, self, "warmup_steps", "world_size")  # record, then one replayed warmup
+        require_at_least(0, self, "forward_prefetch", "backward_prefetch")
         unknown = [m for m in self.modes if m not in MODES]
         if unknown or not self.modes or len(set(self.modes)) != len(self.modes):
             raise ValueError(f"RunConfig.modes: got {self.modes}; pick distinct modes from {', '.join(MODES)}")
@@ -103,8 +98,8 @@ class CpuCostConfig:
     steps: int = 40
 
     def __post_init__(self) -> None:
-        _at_least(2, self, "world_size", "units", "warmup_steps")
-        _at_least(1, self, "dim", "hidden", "rows", "steps")
+        require_at_least(2, self, "world_size", "units", "warmup_steps")
+        require_at_least(1, self, "dim", "hidden", "rows", "steps")
 
 
 @dataclass
