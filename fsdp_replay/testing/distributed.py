@@ -48,12 +48,18 @@ def _worker(
 
 
 def spawn(
-    fn: Callable[..., Any], *args: Any, world_size: int = 2, timeout_s: float = 240.0, backend: str = "gloo"
+    fn: Callable[..., Any],
+    *args: Any,
+    world_size: int = 2,
+    timeout_s: float = 240.0,
+    backend: str = "gloo",
+    diagnose: Callable[[], str] | None = None,
 ) -> list[Any]:
     """``fn(mesh, *args)`` on every rank (gloo on CPU, or nccl with one GPU per rank); per-rank results.
 
     A rank that raises fails the call with its traceback; ranks still running after
     ``timeout_s`` are killed and reported as hung, so a deadlock fails fast instead of stalling CI.
+    ``diagnose()``, if given, is appended to a hang or lost-rank error (e.g. what each rank ran).
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -76,10 +82,14 @@ def spawn(
                 if dead:
                     dead_since = dead_since or time.monotonic()
                     if time.monotonic() - dead_since > 5:
-                        raise RuntimeError(f"{fn.__qualname__}: ranks exited without a result (rank, exit code): {dead}")
+                        raise RuntimeError(
+                            f"{fn.__qualname__}: ranks exited without a result (rank, exit code): {dead}"
+                            + _diagnosis(diagnose)
+                        )
                 if time.monotonic() > deadline:
                     raise TimeoutError(
                         f"{fn.__qualname__} did not finish within {timeout_s:.0f}s on ranks {missing} (a hang?)"
+                        + _diagnosis(diagnose)
                     ) from None
                 continue
             if not ok:
@@ -92,6 +102,10 @@ def spawn(
                 p.kill()
                 p.join()
     return [got[r] for r in range(world_size)]
+
+
+def _diagnosis(diagnose: Callable[[], str] | None) -> str:
+    return f"\n{diagnose()}" if diagnose is not None else ""
 
 
 @contextlib.contextmanager

@@ -1,32 +1,26 @@
 """Shared machinery of the reliability suite: profiles, a per-example-timeout gloo launcher, FSDP2 leak checks.
 
-The launcher differs from :func:`fsdp_replay.testing.distributed.spawn` in what it reports: ranks
-run a *list* of examples in one process group (spawning costs ~5 s per call), each example
-under its own watchdog, and a hang or crash names the example that was running on every rank
-together with the stacks of the hung ranks. A rank that dies without reporting fails the call at
-once instead of at the overall deadline.
+The launcher runs on :func:`fsdp_replay.testing.distributed.spawn`: ranks run a *list* of examples
+in one process group (spawning costs ~5 s per call), each example under its own watchdog, and a
+hang or crash names the example that was running on every rank together with the stacks of the
+hung ranks.
 """
 
 from __future__ import annotations
 
 import faulthandler
-import io
 import json
 import os
-import queue
-import socket
 import tempfile
-import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
-from torch.distributed.device_mesh import init_device_mesh
+
+from fsdp_replay.testing.distributed import spawn
 
 LONG = os.environ.get("FSDP_REPLAY_LONG", "") not in ("", "0")
 """The long profile (``FSDP_REPLAY_LONG=1``): more examples, more faults, 2,000-iteration soak."""
@@ -66,56 +60,26 @@ def record_figures(section: str, figures: dict[str, Any]) -> None:
 # --- launcher -------------------------------------------------------------------------------------
 
 
-class ExampleHang(TimeoutError):
-    """An example did not finish on some rank within the per-example timeout."""
-
-
-class ExampleFailure(RuntimeError):
-    """An example raised on some rank."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(
-    fn: Callable[..., Any],
-    examples: Sequence[Any],
-    rank: int,
-    world_size: int,
-    port: int,
-    workdir: str,
-    example_timeout_s: float,
-    results: Any,
-) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
+def _run_examples_on_rank(
+    mesh: Any, fn: Callable[[Any, Any], Any], examples: list[Any], workdir: str, example_timeout_s: float
+) -> list[Any]:
+    """Runs inside one ``spawn`` rank; leaves progress and, on a timeout, stacks in ``workdir``."""
+    rank = dist.get_rank()
     progress = Path(workdir, f"progress.{rank}")
-    stacks = open(Path(workdir, f"stacks.{rank}"), "w")
-    index = -1
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-        mesh = init_device_mesh("cpu", (world_size,))
-        out = []
+    out = []
+    with open(Path(workdir, f"stacks.{rank}"), "w") as stacks:
         for index, example in enumerate(examples):
             progress.write_text(f"{index}\n")
             # Dumps every thread's stack and exits the rank: the parent sees it die and reports it.
             faulthandler.dump_traceback_later(example_timeout_s, exit=True, file=stacks)
-            out.append(fn(mesh, example))
-            faulthandler.cancel_dump_traceback_later()
-        progress.write_text("done\n")
-        buffer = io.BytesIO()
-        torch.save(out, buffer)
-        results.put((rank, True, buffer.getvalue()))
-    except BaseException:
-        faulthandler.cancel_dump_traceback_later()
-        results.put((rank, False, f"example #{index}: {examples[index]!r}\n{traceback.format_exc()}"))
-    finally:
-        stacks.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+            try:
+                out.append(fn(mesh, example))
+            except BaseException as err:
+                raise RuntimeError(f"example #{index}: {example!r}") from err
+            finally:
+                faulthandler.cancel_dump_traceback_later()
+    progress.write_text("done\n")
+    return out
 
 
 def _running(workdir: str, world_size: int, examples: Sequence[Any]) -> str:
@@ -149,48 +113,21 @@ def run_examples(
     """``[fn(mesh, e) for e in examples]`` on every gloo rank; returns one result list per rank.
 
     Every rank gets the same examples in the same order, so their collectives match. An example
-    exceeding ``example_timeout_s`` on any rank fails with :class:`ExampleHang` naming it.
+    exceeding ``example_timeout_s`` on any rank fails the call naming it and each rank's stacks.
     """
     example_timeout_s = example_timeout_s or PROFILE.example_timeout_s
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
+    examples = list(examples)
     workdir = tempfile.mkdtemp(prefix="fsdp_replay_reliability_")
-    procs = [
-        ctx.Process(
-            target=_worker,
-            args=(fn, list(examples), r, world_size, port, workdir, example_timeout_s, results),
-            daemon=True,
-        )
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    got: dict[int, Any] = {}
-    deadline = time.monotonic() + startup_s + example_timeout_s * max(len(examples), 1)
-    try:
-        while len(got) < world_size:
-            try:
-                rank, ok, payload = results.get(timeout=0.5)
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if r not in got and not p.is_alive()]
-                if dead or time.monotonic() > deadline:
-                    what = f"ranks {dead} exited without a result" if dead else "the overall deadline passed"
-                    raise ExampleHang(
-                        f"{fn.__qualname__}: {what} (per-example timeout {example_timeout_s:.0f}s); running:\n"
-                        + _running(workdir, world_size, examples)
-                    ) from None
-                continue
-            if not ok:
-                raise ExampleFailure(f"{fn.__qualname__} failed on rank {rank}, {payload}")
-            got[rank] = torch.load(io.BytesIO(payload), weights_only=False)
-    finally:
-        for p in procs:
-            p.join(timeout=10 if len(got) == world_size else 0.1)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    return [got[r] for r in range(world_size)]
+    return spawn(
+        _run_examples_on_rank,
+        fn,
+        examples,
+        workdir,
+        example_timeout_s,
+        world_size=world_size,
+        timeout_s=startup_s + example_timeout_s * max(len(examples), 1),
+        diagnose=lambda: "running:\n" + _running(workdir, world_size, examples),
+    )
 
 
 # --- FSDP2 state checks -----------------------------------------------------------------------------
