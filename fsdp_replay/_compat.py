@@ -99,9 +99,21 @@ def device(state: Any) -> torch.device:
 # --- gather state, read at demand time ---------------------------------------------------------
 
 
+def demand_kind(state: Any) -> str:
+    """How a demand finds the unit: ``"hits"`` (gather pending), ``"resident"`` or ``"misses"``."""
+    if is_pending(state):
+        return "hits"
+    return "resident" if is_resident(state) else "misses"
+
+
 def is_pending(state: Any) -> bool:
     """An all-gather was issued and not yet waited on."""
-    return INTERNALS_OK and any(g._all_gather_result is not None for g in state._fsdp_param_groups)
+    if not INTERNALS_OK:
+        return False  # pragma: no cover
+    groups = state._fsdp_param_groups
+    if len(groups) == 1:  # the common case, without a generator per call
+        return groups[0]._all_gather_result is not None
+    return any(g._all_gather_result is not None for g in groups)
 
 
 def is_resident(state: Any) -> bool:
@@ -166,8 +178,12 @@ def issue_unshard(state: Any, *, backward: bool) -> None:
                 stream.wait_stream(current)
     training_state = TrainingState.PRE_BACKWARD if backward else TrainingState.FORWARD
     for group in state._fsdp_param_groups:
-        with group.use_training_state(training_state):
+        # What FSDPParamGroup.use_training_state does, without a generator context per gather.
+        saved, group._training_state = group._training_state, training_state
+        try:
             group.unshard(async_op=True if cpu else group.unshard_async_op)
+        finally:
+            group._training_state = saved
 
 
 def release(state: Any) -> None:
@@ -223,11 +239,18 @@ def trace(*label: str) -> contextlib.AbstractContextManager:
     """A ``torch.profiler`` range, opened only while a profiler runs: one costs ~20 µs otherwise."""
     if torch.autograd.profiler._is_profiler_enabled:
         return record_function(" ".join(label))
-    return contextlib.nullcontext()
+    return _NO_TRACE
+
+
+_NO_TRACE = contextlib.nullcontext()  # stateless, so one instance serves every untraced call
 
 
 def grad_tensors(tree: Any) -> Iterator[torch.Tensor]:
     """Tensors in an (args, kwargs, output) structure that autograd will send gradients to."""
+    if isinstance(tree, torch.Tensor):  # the common module output: skip pytree
+        if tree.requires_grad:
+            yield tree
+        return
     for leaf in tree_leaves(tree):
         if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
             yield leaf

@@ -32,6 +32,7 @@ class SchedulerEvents(Protocol):
 
     def on_demand(self, unit: Unit, phase: Phase) -> None: ...
     def on_reshard(self, unit: Unit) -> None: ...
+    def wants_post_backward_event(self, unit: Unit) -> bool: ...
     def on_root_pre_forward(self) -> None: ...
     def on_root_post_forward(self, *, backward_follows: bool, failed: bool) -> None: ...
     def on_backward_end(self) -> None: ...
@@ -63,10 +64,10 @@ class _BackwardDemand:
 class HookSet:
     """All hooks one scheduler registered; ``remove()`` restores the modules as they were."""
 
-    def __init__(self, events: SchedulerEvents, *, watch_post_backward: bool) -> None:
+    def __init__(self, events: SchedulerEvents, *, watch_reshards: bool) -> None:
         self._events = events
-        # Only replay refills after a post-backward reshard; other modes skip that autograd node.
-        self._watch_post_backward = watch_post_backward
+        # Only replay refills after reshards; the other modes skip those hooks altogether.
+        self._watch_reshards = watch_reshards
         self._handles: list[RemovableHandle] = []
         # Graph task whose end-of-backward callback is queued. A backward that raises drops its
         # callbacks, so a flag would never be cleared; a new graph task queues afresh.
@@ -89,8 +90,9 @@ class HookSet:
                     functools.partial(self._on_pre_forward, unit), prepend=True, with_kwargs=True
                 ),
                 module.register_forward_hook(functools.partial(self._on_forward_output, unit), prepend=True),
-                module.register_forward_hook(functools.partial(self._on_post_forward, unit)),
             ]
+            if self._watch_reshards:
+                self._handles.append(module.register_forward_hook(functools.partial(self._on_post_forward, unit)))
 
     def register_root(self, root: nn.Module) -> None:
         """Register last: among prepended pre-hooks the latest runs first, so scopes open before demands."""
@@ -118,8 +120,10 @@ class HookSet:
         if not _compat.opens_forward(state):
             return None  # a later module of a grouped unit: same forward pass, same demand
         self._events.on_demand(unit, Phase.recompute if _compat.in_backward() else Phase.forward)
-        if not self._watch_post_backward or not torch.is_grad_enabled() or _compat.in_pre_backward(state):
+        if not self._watch_reshards or not torch.is_grad_enabled() or _compat.in_pre_backward(state):
             return None  # FSDP2 registers no post-backward here either
+        if not self._events.wants_post_backward_event(unit):
+            return None
         callback = functools.partial(self._events.on_reshard, unit)
         return _compat.replace_grad_tensors(
             (args, kwargs), lambda tensors: _AfterPostBackward.apply(callback, *tensors)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import hashlib
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Sequence
 
 from fsdp_replay.units import Unit
 
@@ -51,6 +51,26 @@ class ExecutionOrder:
 
     def __init__(self, entries: Sequence[Entry]) -> None:
         self.entries: tuple[Entry, ...] = tuple(entries)
+        self._lookaheads: dict[tuple[int, int], tuple[tuple[Entry, ...], ...]] = {}
+        self.regathered_after_backward: frozenset[Unit] = _regathered_after_backward(self.entries)
+        """Units gathered again after a backward use in the same segment: only their post-backward
+        reshard can unblock a refill, so only they need a post-backward event while replaying."""
+
+    def lookahead(self, forward_depth: int, backward_depth: int) -> tuple[tuple[Entry, ...], ...]:
+        """Per position, the entries a refill there may issue, nearest first; computed once per depths.
+
+        The depth is that of the phase the position heads into. Entries that were resident while
+        recording take no slot; the list ends at a segment boundary (FSDP2 drops gathers pending
+        at the end of a backward) and at a unit's second entry (its next gather can only follow
+        the reshard after the earlier use).
+        """
+        key = (forward_depth, backward_depth)
+        if key not in self._lookaheads:
+            self._lookaheads[key] = tuple(
+                _lookahead_from(self.entries, position, forward_depth if entry.phase.in_forward else backward_depth)
+                for position, entry in enumerate(self.entries)
+            ) + ((),)
+        return self._lookaheads[key]
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -96,22 +116,51 @@ def first_difference(a: Sequence, b: Sequence) -> int:
 class Cursor:
     """A monotonic position in an order: each demand is checked against ``expected`` then ``advance``d."""
 
-    def __init__(self, order: ExecutionOrder) -> None:
+    def __init__(self, order: ExecutionOrder, *, forward_depth: int = 1, backward_depth: int = 1) -> None:
         self.order = order
         self.position = 0
+        self._entries = order.entries
+        self._lookahead = order.lookahead(forward_depth, backward_depth)
 
     @property
     def expected(self) -> Entry | None:
-        return self.order[self.position] if self.position < len(self.order) else None
+        return self._entries[self.position] if self.position < len(self._entries) else None
 
     @property
     def done(self) -> bool:
-        return self.position >= len(self.order)
+        return self.position >= len(self._entries)
 
     def advance(self) -> None:
         self.position += 1
 
-    def upcoming(self) -> Iterator[Entry]:
-        """Entries not yet demanded, nearest first."""
-        for position in range(self.position, len(self.order)):
-            yield self.order[position]
+    def lookahead(self) -> tuple[Entry, ...]:
+        """The not yet demanded entries a refill may issue now (see :meth:`ExecutionOrder.lookahead`)."""
+        return self._lookahead[min(self.position, len(self._entries))]
+
+
+def _lookahead_from(entries: tuple[Entry, ...], position: int, depth: int) -> tuple[Entry, ...]:
+    segment = entries[position].segment
+    picked: list[Entry] = []
+    units: set[Unit] = set()
+    for i in range(position, len(entries)):
+        entry = entries[i]
+        if len(picked) >= depth or entry.segment != segment:
+            break
+        if not entry.needs_gather:
+            continue
+        if entry.unit in units:
+            break
+        picked.append(entry)
+        units.add(entry.unit)
+    return tuple(picked)
+
+
+def _regathered_after_backward(entries: tuple[Entry, ...]) -> frozenset[Unit]:
+    used_in_backward: set[tuple[Unit, int]] = set()
+    regathered: set[Unit] = set()
+    for entry in entries:
+        if entry.needs_gather and (entry.unit, entry.segment) in used_in_backward:
+            regathered.add(entry.unit)
+        if entry.phase is Phase.backward:
+            used_in_backward.add((entry.unit, entry.segment))
+    return frozenset(regathered)

@@ -57,6 +57,8 @@ class _Scope:
     """Backward passes finished so far in this scope."""
     backward_started: bool = False
     """Automatic scopes: a scope still open at the next root forward failed if its backward began."""
+    blocked_on: Unit | None = None
+    """The in-use unit the last refill stopped at; only its reshard can let the refill go further."""
 
 
 class PrefetchScheduler:
@@ -84,7 +86,7 @@ class PrefetchScheduler:
             forward, backward = _compat.own_prefetch_lists(unit.state)
             self._saved_prefetch[unit] = ([weakref.ref(s) for s in forward], [weakref.ref(s) for s in backward])
             _compat.disable_own_prefetch(unit.state)
-        self._hooks = HookSet(self, watch_post_backward=config.mode is PrefetchMode.record_and_replay)
+        self._hooks = HookSet(self, watch_reshards=config.mode is PrefetchMode.record_and_replay)
         for unit in self.units:
             self._hooks.register_unit(unit)
         self._hooks.register_root(root)
@@ -210,7 +212,7 @@ class PrefetchScheduler:
         scope = self._scope
         key = scope.key if scope is not None else None
         state = unit.state
-        kind = "hits" if _compat.is_pending(state) else "resident" if _compat.is_resident(state) else "misses"
+        kind = _compat.demand_kind(state)
         self.stats.count(key, "demands")
         self.stats.count(key, kind)
         if self._window.take(unit) and kind != "hits":
@@ -233,8 +235,23 @@ class PrefetchScheduler:
             self._prefetch_static(scope, unit, phase)
 
     def on_reshard(self, unit: Unit) -> None:
-        if self._scope is not None:
-            self._refill(self._scope)
+        scope = self._scope
+        if scope is not None and scope.blocked_on is unit:
+            self._refill(scope)
+
+    def wants_post_backward_event(self, unit: Unit) -> bool:
+        """Whether ``unit``'s next post-backward reshard could let a refill go further.
+
+        Only units gathered again after a backward use in the same segment can block a refill
+        in backward; skipping the event for the others saves an autograd node per call.
+        """
+        scope = self._scope
+        return (
+            scope is not None
+            and scope.cursor is not None
+            and not scope.demand_only
+            and unit in scope.cursor.order.regathered_after_backward
+        )
 
     def on_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         scope = self._scope
@@ -268,7 +285,9 @@ class PrefetchScheduler:
             else:
                 if self.config.check_ranks and key not in self._verified:
                     self._verify_across_ranks(key, order)
-                scope.cursor = Cursor(order)
+                scope.cursor = Cursor(
+                    order, forward_depth=self.config.forward_prefetch, backward_depth=self.config.backward_prefetch
+                )
         self._scope = scope
         if not scope.demand_only and (root_state := self._root_state()) is not None:
             # This scope may gather before FSDP2's root pre-forward (first step, or a resumed run).
@@ -337,31 +356,28 @@ class PrefetchScheduler:
     # --- prefetch --------------------------------------------------------------------------------
 
     def _refill(self, scope: _Scope) -> None:
-        """Keep the next ``depth`` entries that need a gather issued, strictly nearest first.
+        """Keep the next entries of the cursor's lookahead issued, strictly nearest first.
 
         An entry whose unit is still in use (FSDP2 reshards it before that use) stops the scan
-        until the reshard, when this runs again: issuing later entries first would queue them
+        until that reshard, when this runs again: issuing later entries first would queue them
         ahead of it on the communicator and, under a byte cap, starve it.
         """
-        if scope.cursor is None or scope.demand_only or scope.cursor.done:
+        cursor = scope.cursor
+        if cursor is None or scope.demand_only:
             return
-        depth = self.config.depth(scope.cursor.expected.phase.in_forward)  # the phase we are heading into
-        scanned: set[Unit] = set()
-        for entry in scope.cursor.upcoming():
-            if len(scanned) >= depth or entry.segment > scope.segment:
-                return
-            if not entry.needs_gather:
-                continue
-            if entry.unit in scanned:
-                return  # its next gather can only follow the reshard after the earlier use
-            scanned.add(entry.unit)
-            if entry.unit in self._window:
+        scope.blocked_on = None
+        for entry in cursor.lookahead():
+            unit = entry.unit
+            if entry.segment > scope.segment:
+                return  # the current backward has not finished yet
+            if unit in self._window:
                 continue  # already in flight for this entry
-            if not _compat.is_sharded_idle(entry.unit.state):
-                return  # in use now: gathered for the current demand, resharded before this one
-            if not self._window.fits(entry.unit):
+            if not _compat.is_sharded_idle(unit.state):
+                scope.blocked_on = unit  # in use now: gathered for the current demand, resharded before this one
                 return
-            if self._window.prefetch(entry.unit, backward=not entry.phase.in_forward):
+            if not self._window.fits(unit):
+                return  # the next demand frees room
+            if self._window.prefetch(unit, backward=not entry.phase.in_forward):
                 self.stats.count(scope.key, "prefetches")
 
     def _prefetch_static(self, scope: _Scope, unit: Unit, phase: Phase) -> None:
