@@ -69,7 +69,7 @@ class ExecutionOrder:
             self._lookaheads[key] = tuple(
                 _lookahead_from(self.entries, position, forward_depth if entry.phase.in_forward else backward_depth)
                 for position, entry in enumerate(self.entries)
-            ) + ((),)
+            ) + ((),)  # at the end: nothing left to issue
         return self._lookaheads[key]
 
     def __len__(self) -> int:
@@ -134,8 +134,11 @@ class Cursor:
         self.position += 1
 
     def lookahead(self) -> tuple[Entry, ...]:
-        """The not yet demanded entries a refill may issue now (see :meth:`ExecutionOrder.lookahead`)."""
-        return self._lookahead[min(self.position, len(self._entries))]
+        """The not yet demanded entries a refill may issue now (see :meth:`ExecutionOrder.lookahead`).
+
+        The position never passes the end (a demand there diverges), where the lookahead is empty.
+        """
+        return self._lookahead[self.position]
 
 
 def _lookahead_from(entries: tuple[Entry, ...], position: int, depth: int) -> tuple[Entry, ...]:
