@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 from torch.profiler import record_function
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+from torch.utils._pytree import tree_leaves
 
 logger = logging.getLogger("fsdp_replay")
 
@@ -196,6 +196,35 @@ def release(state: Any) -> None:
             group.reshard()
 
 
+def keep_unsharded(state: Any) -> Any:
+    """Skip the unit's next reshard (after its forward or its backward), so its next use gathers nothing.
+
+    Returns what :func:`stop_keeping` restores, or None where FSDP2's internals are not available.
+    """
+    if not INTERNALS_OK:  # pragma: no cover
+        return None
+    saved = []
+    for group in state._fsdp_param_groups:
+        saved.append((group.post_forward_mesh_info, group.reshard_after_backward))
+        # FSDP2 reshards after forward only while post_forward_mesh_info is set.
+        group.post_forward_mesh_info = None
+        group.reshard_after_backward = False
+    return saved
+
+
+def stop_keeping(state: Any, saved: Any, *, reshard_now: bool) -> None:
+    """Restore the reshard settings; with ``reshard_now``, also free a kept unit no longer in use.
+
+    A unit mid-use (forward or backward still running) is left to FSDP2's own reshard at its end.
+    """
+    for group, (post_forward_mesh_info, reshard_after_backward) in zip(state._fsdp_param_groups, saved):
+        group.post_forward_mesh_info = post_forward_mesh_info
+        group.reshard_after_backward = reshard_after_backward
+        idle = group._training_state in (TrainingState.IDLE, TrainingState.POST_BACKWARD)
+        if reshard_now and idle and group.is_unsharded:
+            group.reshard()
+
+
 # --- FSDP2's own prefetch, turned off while attached ----------------------------------------
 
 
@@ -255,23 +284,3 @@ def grad_tensors(tree: Any) -> Iterator[torch.Tensor]:
         if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
             yield leaf
 
-
-def replace_grad_tensors(tree: tuple[tuple, dict], fn: Callable[[list[torch.Tensor]], Sequence[torch.Tensor]]) -> Any:
-    """Pass all grad-requiring tensors through ``fn`` at once; None when there are none."""
-    args, kwargs = tree
-    if not kwargs and all(not isinstance(a, (list, tuple, dict)) for a in args):
-        # The common call, tensors passed positionally: skip pytree, a large share of hook cost.
-        positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
-        if not positions:
-            return None
-        new_args = list(args)
-        for i, new in zip(positions, fn([args[i] for i in positions])):
-            new_args[i] = new
-        return tuple(new_args), kwargs
-    leaves, spec = tree_flatten(tree)
-    positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
-    if not positions:
-        return None
-    for i, new in zip(positions, fn([leaves[i] for i in positions])):
-        leaves[i] = new
-    return tree_unflatten(leaves, spec)

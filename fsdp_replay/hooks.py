@@ -5,17 +5,16 @@ Where each hook sits relative to FSDP2's own (see shared notes):
   the demand is classified and the current unit's gather issued first;
 - post-forward ``prepend=True`` (before FSDP2's ``_post_forward``): output tensor hooks are added
   ahead of FSDP2's pre-backward hooks, so a backward demand is seen before FSDP2 gathers;
-- post-forward appended (after FSDP2's reshard): a refill point;
-- an identity autograd function on the unit's inputs, applied before FSDP2 wraps them: its
-  backward runs right after FSDP2's post-backward (reshard) of that unit, another refill point;
 - an autograd-engine callback queued behind FSDP2's final callback: the end of a backward.
+
+No hook watches reshards: a unit needed again is kept unsharded through its reshard instead.
 """
 
 from __future__ import annotations
 
 import functools
 import sys
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn as nn
@@ -31,25 +30,9 @@ class SchedulerEvents(Protocol):
     """What the hooks report; implemented by :class:`~fsdp_replay.PrefetchScheduler`."""
 
     def on_demand(self, unit: Unit, phase: Phase) -> None: ...
-    def on_reshard(self, unit: Unit) -> None: ...
-    def wants_post_backward_event(self, unit: Unit) -> bool: ...
     def on_root_pre_forward(self) -> None: ...
     def on_root_post_forward(self, *, backward_follows: bool, failed: bool) -> None: ...
     def on_backward_end(self) -> None: ...
-
-
-class _AfterPostBackward(torch.autograd.Function):
-    """Identity on a unit's inputs whose backward fires right after FSDP2's post-backward."""
-
-    @staticmethod
-    def forward(ctx: Any, callback: Callable[[], None], *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.callback = callback
-        return tensors
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.callback()
-        return (None, *grads)
 
 
 class _BackwardDemand:
@@ -64,10 +47,8 @@ class _BackwardDemand:
 class HookSet:
     """All hooks one scheduler registered; ``remove()`` restores the modules as they were."""
 
-    def __init__(self, events: SchedulerEvents, *, watch_reshards: bool) -> None:
+    def __init__(self, events: SchedulerEvents) -> None:
         self._events = events
-        # Only replay refills after reshards; the other modes skip those hooks altogether.
-        self._watch_reshards = watch_reshards
         self._handles: list[RemovableHandle] = []
         # Graph task whose end-of-backward callback is queued. A backward that raises drops its
         # callbacks, so a flag would never be cleared; a new graph task queues afresh.
@@ -86,13 +67,9 @@ class HookSet:
     def register_unit(self, unit: Unit) -> None:
         for module in unit.modules():
             self._handles += [
-                module.register_forward_pre_hook(
-                    functools.partial(self._on_pre_forward, unit), prepend=True, with_kwargs=True
-                ),
+                module.register_forward_pre_hook(functools.partial(self._on_pre_forward, unit), prepend=True),
                 module.register_forward_hook(functools.partial(self._on_forward_output, unit), prepend=True),
             ]
-            if self._watch_reshards:
-                self._handles.append(module.register_forward_hook(functools.partial(self._on_post_forward, unit)))
 
     def register_root(self, root: nn.Module) -> None:
         """Register last: among prepended pre-hooks the latest runs first, so scopes open before demands."""
@@ -115,19 +92,9 @@ class HookSet:
         follows = torch.is_grad_enabled() and any(True for _ in _compat.grad_tensors(output))
         self._events.on_root_post_forward(backward_follows=follows, failed=failed)
 
-    def _on_pre_forward(self, unit: Unit, module: nn.Module, args: Any, kwargs: Any) -> Any:
-        state = unit.state
-        if not _compat.opens_forward(state):
-            return None  # a later module of a grouped unit: same forward pass, same demand
-        self._events.on_demand(unit, Phase.recompute if _compat.in_backward() else Phase.forward)
-        if not self._watch_reshards or not torch.is_grad_enabled() or _compat.in_pre_backward(state):
-            return None  # FSDP2 registers no post-backward here either
-        if not self._events.wants_post_backward_event(unit):
-            return None
-        callback = functools.partial(self._events.on_reshard, unit)
-        return _compat.replace_grad_tensors(
-            (args, kwargs), lambda tensors: _AfterPostBackward.apply(callback, *tensors)
-        )
+    def _on_pre_forward(self, unit: Unit, module: nn.Module, args: Any) -> None:
+        if _compat.opens_forward(unit.state):  # not a later module of a grouped unit's same pass
+            self._events.on_demand(unit, Phase.recompute if _compat.in_backward() else Phase.forward)
 
     def _on_forward_output(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
         state = unit.state
@@ -138,9 +105,6 @@ class HookSet:
         demand = _BackwardDemand()
         for tensor in _compat.grad_tensors(output):
             tensor.register_hook(functools.partial(self._on_output_grad, unit, demand))
-
-    def _on_post_forward(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
-        self._events.on_reshard(unit)
 
     # --- backward ------------------------------------------------------------------------------
 

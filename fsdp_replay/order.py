@@ -52,17 +52,14 @@ class ExecutionOrder:
     def __init__(self, entries: Sequence[Entry]) -> None:
         self.entries: tuple[Entry, ...] = tuple(entries)
         self._lookaheads: dict[tuple[int, int], tuple[tuple[Entry, ...], ...]] = {}
-        self.regathered_after_backward: frozenset[Unit] = _regathered_after_backward(self.entries)
-        """Units gathered again after a backward use in the same segment: only their post-backward
-        reshard can unblock a refill, so only they need a post-backward event while replaying."""
 
     def lookahead(self, forward_depth: int, backward_depth: int) -> tuple[tuple[Entry, ...], ...]:
         """Per position, the entries a refill there may issue, nearest first; computed once per depths.
 
         The depth is that of the phase the position heads into. Entries that were resident while
         recording take no slot; the list ends at a segment boundary (FSDP2 drops gathers pending
-        at the end of a backward) and at a unit's second entry (its next gather can only follow
-        the reshard after the earlier use).
+        at the end of a backward) and at a unit's second entry (one use at a time is provided for:
+        the unit is kept unsharded from one use to the next, or gathered for the next).
         """
         key = (forward_depth, backward_depth)
         if key not in self._lookaheads:
@@ -157,13 +154,3 @@ def _lookahead_from(entries: tuple[Entry, ...], position: int, depth: int) -> tu
         units.add(entry.unit)
     return tuple(picked)
 
-
-def _regathered_after_backward(entries: tuple[Entry, ...]) -> frozenset[Unit]:
-    used_in_backward: set[tuple[Unit, int]] = set()
-    regathered: set[Unit] = set()
-    for entry in entries:
-        if entry.needs_gather and (entry.unit, entry.segment) in used_in_backward:
-            regathered.add(entry.unit)
-        if entry.phase is Phase.backward:
-            used_in_backward.add((entry.unit, entry.segment))
-    return frozenset(regathered)

@@ -2,9 +2,10 @@
 
 Data flow: a hook reports a demand ``(unit, phase)`` → while recording it is appended to the
 scope's entries, which become the key's :class:`ExecutionOrder` when the scope succeeds → a later
-scope walks that order with a :class:`Cursor`, checking each demand → after every demand and
-every reshard, :meth:`PrefetchScheduler._refill` issues the next entries' all-gathers through
-the :class:`PrefetchWindow`, and the scope's end releases whatever is left.
+scope walks that order with a :class:`Cursor`, checking each demand → after every demand,
+:meth:`PrefetchScheduler._refill` provides for the next entries through the
+:class:`PrefetchWindow` (an all-gather issued early, or a unit in use kept unsharded for its next
+use), and the scope's end releases whatever is left.
 """
 
 from __future__ import annotations
@@ -57,8 +58,6 @@ class _Scope:
     """Backward passes finished so far in this scope."""
     backward_started: bool = False
     """Automatic scopes: a scope still open at the next root forward failed if its backward began."""
-    blocked_on: Unit | None = None
-    """The in-use unit the last refill stopped at; only its reshard can let the refill go further."""
 
 
 class PrefetchScheduler:
@@ -86,7 +85,7 @@ class PrefetchScheduler:
             forward, backward = _compat.own_prefetch_lists(unit.state)
             self._saved_prefetch[unit] = ([weakref.ref(s) for s in forward], [weakref.ref(s) for s in backward])
             _compat.disable_own_prefetch(unit.state)
-        self._hooks = HookSet(self, watch_reshards=config.mode is PrefetchMode.record_and_replay)
+        self._hooks = HookSet(self)
         for unit in self.units:
             self._hooks.register_unit(unit)
         self._hooks.register_root(root)
@@ -215,8 +214,9 @@ class PrefetchScheduler:
         kind = _compat.demand_kind(state)
         self.stats.count(key, "demands")
         self.stats.count(key, kind)
-        if self._window.take(unit) and kind != "hits":
-            self.stats.count(key, "wasted")  # FSDP2 dropped the prefetch (e.g. finalize_backward)
+        held = self._window.take(unit)
+        if held is not None and kind != ("hits" if held == "prefetched" else "resident"):
+            self.stats.count(key, "wasted")  # FSDP2 dropped the gather (e.g. finalize_backward) or resharded
         if scope is None or scope.demand_only:
             return
         scope.backward_started |= phase is Phase.backward
@@ -233,25 +233,6 @@ class PrefetchScheduler:
             self._refill(scope)
         else:
             self._prefetch_static(scope, unit, phase)
-
-    def on_reshard(self, unit: Unit) -> None:
-        scope = self._scope
-        if scope is not None and scope.blocked_on is unit:
-            self._refill(scope)
-
-    def wants_post_backward_event(self, unit: Unit) -> bool:
-        """Whether ``unit``'s next post-backward reshard could let a refill go further.
-
-        Only units gathered again after a backward use in the same segment can block a refill
-        in backward; skipping the event for the others saves an autograd node per call.
-        """
-        scope = self._scope
-        return (
-            scope is not None
-            and scope.cursor is not None
-            and not scope.demand_only
-            and unit in scope.cursor.order.regathered_after_backward
-        )
 
     def on_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         scope = self._scope
@@ -356,29 +337,30 @@ class PrefetchScheduler:
     # --- prefetch --------------------------------------------------------------------------------
 
     def _refill(self, scope: _Scope) -> None:
-        """Keep the next entries of the cursor's lookahead issued, strictly nearest first.
+        """Provide for the next entries of the cursor's lookahead, nearest first.
 
-        An entry whose unit is still in use (FSDP2 reshards it before that use) stops the scan
-        until that reshard, when this runs again: issuing later entries first would queue them
-        ahead of it on the communicator and, under a byte cap, starve it.
+        A unit in use now (the one just demanded, or an outer unit still running) is needed again
+        by its entry here: instead of letting FSDP2 reshard it and gathering it again right after,
+        it is kept unsharded, which costs the same slot and bytes and no collective.
         """
         cursor = scope.cursor
         if cursor is None or scope.demand_only:
             return
-        scope.blocked_on = None
         for entry in cursor.lookahead():
             unit = entry.unit
             if entry.segment > scope.segment:
                 return  # the current backward has not finished yet
             if unit in self._window:
-                continue  # already in flight for this entry
-            if not _compat.is_sharded_idle(unit.state):
-                scope.blocked_on = unit  # in use now: gathered for the current demand, resharded before this one
-                return
+                continue  # already provided for
             if not self._window.fits(unit):
                 return  # the next demand frees room
-            if self._window.prefetch(unit, backward=not entry.phase.in_forward):
-                self.stats.count(scope.key, "prefetches")
+            if _compat.is_sharded_idle(unit.state):
+                if self._window.prefetch(unit, backward=not entry.phase.in_forward):
+                    self.stats.count(scope.key, "prefetches")
+            elif self._window.keep(unit):
+                self.stats.count(scope.key, "kept")
+            else:
+                return  # cannot keep it (no FSDP2 internals): nothing later may jump the queue
 
     def _prefetch_static(self, scope: _Scope, unit: Unit, phase: Phase) -> None:
         """Module-tree order in forward, its reverse in backward: the attach-time guess."""

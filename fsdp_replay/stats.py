@@ -19,8 +19,10 @@ class KeyStats:
     """Demands whose unit was already unsharded."""
     prefetches: int = 0
     """All-gathers the scheduler issued ahead of their use."""
+    kept: int = 0
+    """Units kept unsharded from one use to their next instead of resharded and gathered again."""
     wasted: int = 0
-    """Prefetches released without being used."""
+    """Prefetches and keeps released without being used."""
     divergences: int = 0
     """Replayed scopes whose demands left their recorded order."""
     recordings: int = 0

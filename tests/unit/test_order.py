@@ -45,23 +45,12 @@ def test_lookahead_takes_the_phase_depth_skips_resident_and_stops_at_repeats_and
     )
     ahead = order.lookahead(3, 1)
     names = [[e.unit.fqn for e in entries] for entries in ahead]
-    assert names[0] == ["a", "b"]  # root takes no slot; a's second entry waits for its first use
+    assert names[0] == ["a", "b"]  # root takes no slot; one use of a unit at a time
     assert names[2] == ["b", "a", "c"]  # forward depth 3
     assert names[4] == ["c"] and names[5] == ["b"]  # backward depth 1, past the resident root
     assert names[6] == ["b"]  # c's forward is in the next segment
     assert names[8] == []  # past the end
     assert order.lookahead(3, 1) is ahead  # computed once per depths
-
-
-def test_units_regathered_after_backward_in_the_same_segment():
-    (a, b, c), _ = _units("a", "b", "c")
-    order = ExecutionOrder(
-        [Entry(a, Phase.forward, True), Entry(b, Phase.forward, True), Entry(b, Phase.backward, True),
-         Entry(b, Phase.backward, True), Entry(a, Phase.backward, True), Entry(a, Phase.forward, True, 1),
-         Entry(c, Phase.backward, True), Entry(c, Phase.forward, False)]
-    )
-    # b is gathered again after its backward; a only in the next segment; c's reuse is resident.
-    assert order.regathered_after_backward == {b}
 
 
 def test_state_round_trip_and_digest_are_stable():

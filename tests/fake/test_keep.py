@@ -1,0 +1,88 @@
+"""Replay keeps a unit unsharded when the order needs it again next, instead of re-gathering it."""
+
+from fsdp_replay import PrefetchConfig, attach
+from fsdp_replay.testing.observer import DemandObserver
+from fsdp_replay.testing.workloads import run_iteration, workload
+
+
+def _groups(unit_module):
+    return unit_module._get_fsdp_state()._fsdp_param_groups
+
+
+def _gathers(log):
+    return sum(kind != "resident" for _, _, kind in log)
+
+
+def _assert_all_sharded_with_settings_restored(model):
+    for block in model.blocks:
+        for group in _groups(block):
+            assert not group.is_unsharded and group._all_gather_result is None
+            assert group.post_forward_mesh_info is not None and group.reshard_after_backward
+
+
+def test_back_to_back_uses_are_kept_unsharded_and_skip_their_all_gathers(mesh):
+    w = workload("shared_block")  # blocks.1 called three times in a row
+    runs = {}
+    for mode in ("demand", "record_and_replay"):
+        model = w.make_model().shard(mesh)
+        sched = attach(model, PrefetchConfig(mode=mode))
+        observer = DemandObserver(model)
+        for step in range(3):
+            kept_before = sched.stats.kept
+            with sched.iteration("train"):
+                run_iteration(model, w, step)
+            log = observer.take()
+        runs[mode] = (log, sched.stats.kept - kept_before, model)
+    replay_log, kept, model = runs["record_and_replay"]
+    # Calls 2 and 3 of blocks.1 in each direction, and the last forward unit into its backward.
+    assert [(f, p) for f, p, kind in replay_log if kind == "resident" and f != "<root>"] == [
+        ("blocks.1", "forward"), ("blocks.1", "forward"), ("blocks.3", "backward"),
+        ("blocks.1", "backward"), ("blocks.1", "backward"),
+    ]
+    assert kept == 5 and all(kind in ("hit", "resident") for _, _, kind in replay_log)
+    assert _gathers(replay_log) == _gathers(runs["demand"][0]) - kept
+    _assert_all_sharded_with_settings_restored(model)
+
+
+def test_a_keep_costs_one_slot_like_the_prefetch_it_replaces(mesh8):
+    w = workload("shared_block", n_blocks=6)
+    model = w.make_model().shard(mesh8)
+    sched = attach(model, PrefetchConfig(forward_prefetch=1, backward_prefetch=1))
+    held = []
+
+    def count_held(module, args):
+        held.append(len(sched._window))
+
+    for step in range(3):
+        handles = [m.register_forward_pre_hook(count_held) for m in model.blocks]
+        with sched.iteration("train"):
+            run_iteration(model, w, step)
+        for h in handles:
+            h.remove()
+    assert max(held) == 1 and sched.stats.kept > 0 and sched.stats.wasted == 0
+
+
+def test_kept_units_are_resharded_when_the_scope_diverges(mesh8):
+    w = workload("shared_block")
+    model = w.make_model().shard(mesh8)
+    sched = attach(model, PrefetchConfig())
+    with sched.iteration("train"):
+        run_iteration(model, w, 0)
+    model.calls = [0, 1, 1, 2, 3]  # blocks.1 is kept for a third call that never comes
+    with sched.iteration("train"):
+        run_iteration(model, w, 1)
+    assert sched.stats.divergences == 1 and sched.stats.wasted >= 1
+    _assert_all_sharded_with_settings_restored(model)
+
+
+def test_a_forward_only_scope_releases_the_unit_kept_for_its_backward(mesh8):
+    w = workload("sequential")
+    model = w.make_model().shard(mesh8)
+    sched = attach(model, PrefetchConfig())
+    with sched.iteration("train"):
+        run_iteration(model, w, 0)
+    with sched.iteration("train"):
+        model(w.make_batch(1, 0))  # the last block is kept for a backward that does not come
+    assert sched.stats.kept == 1 and sched.stats.divergences == 1
+    _assert_all_sharded_with_settings_restored(model)
+
