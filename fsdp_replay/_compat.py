@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -118,7 +118,12 @@ def is_pending(state: Any) -> bool:
 
 def is_resident(state: Any) -> bool:
     """Parameters are unsharded (no all-gather needed)."""
-    return INTERNALS_OK and all(g.is_unsharded for g in state._fsdp_param_groups)
+    if not INTERNALS_OK:
+        return False  # pragma: no cover
+    groups = state._fsdp_param_groups
+    if len(groups) == 1:
+        return groups[0].is_unsharded
+    return all(g.is_unsharded for g in groups)
 
 
 def is_sharded_idle(state: Any) -> bool:
@@ -144,6 +149,33 @@ def completes_forward(state: Any, module: nn.Module) -> bool:
         return True
     pending = state._modules_to_run_forward
     return len(pending) == 1 and module in pending
+
+
+def report_pre_backward(state: Any, on_backward_use: Callable[[], None]) -> bool:
+    """Call ``on_backward_use`` just before FSDP2's pre-backward gathers the unit for a backward use.
+
+    FSDP2 registers ``state._pre_backward`` as a tensor hook on every grad-requiring output in its
+    post-forward; an instance attribute shadows that method, so the hook it registers is this
+    wrapper and no second tensor hook per output is needed. A backward use starts when a param
+    group is not already in pre-backward (FSDP2's own test for a no-op). False where FSDP2's
+    internals are not available: the caller then hooks the outputs itself.
+    """
+    if not INTERNALS_OK:  # pragma: no cover
+        return False
+    fsdp_pre_backward = type(state)._pre_backward.__get__(state)
+    groups = state._fsdp_param_groups
+
+    def pre_backward(grad: torch.Tensor) -> torch.Tensor:
+        if any(g._training_state != TrainingState.PRE_BACKWARD for g in groups):
+            on_backward_use()
+        return fsdp_pre_backward(grad)
+
+    state._pre_backward = pre_backward
+    return True
+
+
+def stop_reporting_pre_backward(state: Any) -> None:
+    state.__dict__.pop("_pre_backward", None)
 
 
 def graph_task_id() -> int:

@@ -3,8 +3,9 @@
 Where each hook sits relative to FSDP2's own (see shared notes):
 - pre-forward, ``prepend=True`` and registered after FSDP2's, so it runs *before* FSDP2 unshards:
   the demand is classified and the current unit's gather issued first;
-- post-forward ``prepend=True`` (before FSDP2's ``_post_forward``): output tensor hooks are added
-  ahead of FSDP2's pre-backward hooks, so a backward demand is seen before FSDP2 gathers;
+- FSDP2's own pre-backward tensor hook reports a backward demand before it gathers (see
+  ``_compat.report_pre_backward``); without FSDP2's internals, a post-forward hook
+  (``prepend=True``, before FSDP2's ``_post_forward``) adds output tensor hooks ahead of FSDP2's;
 - an autograd-engine callback queued behind FSDP2's final callback: the end of a backward.
 
 No hook watches reshards: a unit needed again is kept unsharded through its reshard instead.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import weakref
 from typing import Any, Protocol
 
 import torch
@@ -53,6 +55,8 @@ class HookSet:
         # Graph task whose end-of-backward callback is queued. A backward that raises drops its
         # callbacks, so a flag would never be cleared; a new graph task queues afresh.
         self._backward_end_task = -1
+        self._reporting_states: list[weakref.ref] = []
+        """FSDP2 states whose pre-backward hook reports backward demands (undone by ``remove``)."""
 
     def __len__(self) -> int:
         return len(self._handles)
@@ -61,15 +65,26 @@ class HookSet:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for ref in self._reporting_states:
+            if (state := ref()) is not None:
+                _compat.stop_reporting_pre_backward(state)
+        self._reporting_states.clear()
 
     # --- registration --------------------------------------------------------------------------
 
     def register_unit(self, unit: Unit) -> None:
-        for module in unit.modules():
-            self._handles += [
-                module.register_forward_pre_hook(functools.partial(self._on_pre_forward, unit), prepend=True),
-                module.register_forward_hook(functools.partial(self._on_forward_output, unit), prepend=True),
-            ]
+        modules = unit.modules()
+        for module in modules:
+            self._handles.append(
+                module.register_forward_pre_hook(functools.partial(self._on_pre_forward, unit), prepend=True)
+            )
+        if _compat.report_pre_backward(unit.state, functools.partial(self._on_backward_use, unit)):
+            self._reporting_states.append(weakref.ref(unit.state))
+            return
+        for module in modules:  # public fallback: one more tensor hook per output
+            self._handles.append(
+                module.register_forward_hook(functools.partial(self._on_forward_output, unit), prepend=True)
+            )
 
     def register_root(self, root: nn.Module) -> None:
         """Register last: among prepended pre-hooks the latest runs first, so scopes open before demands."""
@@ -109,17 +124,20 @@ class HookSet:
     # --- backward ------------------------------------------------------------------------------
 
     def _on_output_grad(self, unit: Unit, demand: _BackwardDemand, grad: torch.Tensor) -> None:
-        if demand.fired:
-            return
-        demand.fired = True
+        if not demand.fired:
+            demand.fired = True
+            self._on_backward_use(unit)
+
+    def _on_backward_use(self, unit: Unit) -> None:
         if (task := _compat.graph_task_id()) != self._backward_end_task:
             self._backward_end_task = task
             Variable._execution_engine.queue_callback(self._requeue_backward_end)
         self._events.on_demand(unit, Phase.backward)
 
     def _requeue_backward_end(self) -> None:
-        # Queued before FSDP2's final callback (our tensor hook runs first); going to the back of
-        # the queue once puts the end-of-backward event after FSDP2's last reshards.
+        # Queued before FSDP2's final callback (a backward use is reported before FSDP2's
+        # pre-backward queues it); going to the back of the queue once puts the end-of-backward
+        # event after FSDP2's last reshards.
         Variable._execution_engine.queue_callback(self._on_backward_end)
 
     def _on_backward_end(self) -> None:

@@ -51,4 +51,4 @@ class PrefetchStats(KeyStats):
         """Bump a counter in the totals and, when inside a scope, in that key's breakdown."""
         self.add(counter, n)
         if key is not None:
-            self.per_key.setdefault(key, KeyStats()).add(counter, n)
+            (self.per_key.get(key) or self.per_key.setdefault(key, KeyStats())).add(counter, n)

@@ -83,15 +83,21 @@ def test_peak_unsharded_bytes_with_prefetch_one_stays_within_plain_plus_one_unit
         assert w["modes"]["demand"]["peak_unsharded_bytes"] <= w["modes"]["plain"]["peak_unsharded_bytes"], name
 
 
-def test_bound_is_built_from_compute_and_communication(quick_run):
+def test_bound_is_built_from_compute_and_each_modes_own_communication(quick_run):
     for name, w in quick_run[0]["workloads"].items():
-        assert w["compute_only_s"] > 0 and w["comm_only"]["all_gather_s"] > 0 and w["comm_only"]["reduce_scatter_s"] > 0
-        expected = max(w["compute_only_s"], w["overlappable_comm_s"]) + w["non_overlappable_comm_s"]
-        assert w["bound_s"] == pytest.approx(expected), name
-        # comm-only replays exactly the demand mode's collectives: its gathers and reduce-scatters
-        demand = w["modes"]["demand"]
-        assert w["collectives"] == demand["gathers"] + demand["reduce_scatters"], name
+        assert set(w["bounds"]) == {"demand", "record_and_replay"}, name
+        for owner, b in w["bounds"].items():
+            comm = b["comm_only"]
+            assert w["compute_only_s"] > 0 and comm["all_gather_s"] > 0 and comm["reduce_scatter_s"] > 0
+            assert b["bound_s"] == pytest.approx(max(w["compute_only_s"], b["overlappable_comm_s"]) + b["non_overlappable_comm_s"])
+            # comm-only replays exactly that mode's collectives: its gathers and reduce-scatters
+            mode = w["modes"][owner]
+            assert b["collectives"] == mode["gathers"] + mode["reduce_scatters"], (name, owner)
+        assert w["modes"]["static"]["bound_s"] == w["bounds"]["demand"]["bound_s"], name
+        demand, rr = w["modes"]["demand"], w["modes"]["record_and_replay"]
         assert demand["gathers"] == demand["misses"], name
+        # units kept unsharded for their next use skip their all-gathers, and nothing else changes
+        assert rr["gathers"] == demand["gathers"] - rr["kept"] and rr["reduce_scatters"] == demand["reduce_scatters"], name
 
 
 def test_cpu_cost_and_targets_are_reported(quick_run):

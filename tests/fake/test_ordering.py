@@ -191,3 +191,16 @@ def test_profiler_trace_names_what_was_recorded_prefetched_and_released(mesh8):
     assert "fsdp_replay::record blocks.0 forward" in recorded
     assert "fsdp_replay::prefetch blocks.1" in replayed
     assert any(name.startswith("fsdp_replay::release ") for name in replayed)
+
+
+@pytest.mark.parametrize("name", ["shared_block", "checkpointed", "interleaved_1f1b", "tied_embedding"])
+def test_public_output_hooks_record_the_same_backward_demands_as_fsdp2s_pre_backward(mesh8, monkeypatch, name):
+    """The fallback used without FSDP2's internals must see the backward uses FSDP2's own hook sees."""
+    orders = []
+    for use_fsdp_hook in (True, False):
+        if not use_fsdp_hook:
+            monkeypatch.setattr("fsdp_replay._compat.report_pre_backward", lambda state, callback: False)
+        sched, logs = _replay(mesh8, name, steps=2)
+        orders.append(sched.recorded_order("train"))
+        assert all(kind in ("hit", "resident") for _, _, kind in logs[1]) and sched.stats.divergences == 0
+    assert orders[0] == orders[1] and ("blocks.1", "backward") in orders[0]
