@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import hashlib
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from fsdp_replay.units import Unit
 
@@ -46,27 +46,41 @@ class Entry:
         return f"({self.unit.fqn!r}, {self.phase.value!r})"
 
 
+class Lookahead(NamedTuple):
+    """What a refill at one position may provide for."""
+
+    entries: tuple[Entry, ...]
+    """Upcoming entries that need a gather, nearest first: ``gathers`` of them, plus one for a unit
+    still in use, which is kept unsharded instead of gathered and so takes no gather slot."""
+    gathers: int
+    """All-gathers that may be in flight ahead: the prefetch depth of the phase being entered."""
+
+
+_NOTHING_AHEAD = Lookahead((), 0)
+
+
 class ExecutionOrder:
     """An immutable recorded demand sequence; repeats and mixed phases included."""
 
     def __init__(self, entries: Sequence[Entry]) -> None:
         self.entries: tuple[Entry, ...] = tuple(entries)
-        self._lookaheads: dict[tuple[int, int], tuple[tuple[Entry, ...], ...]] = {}
+        self._lookaheads: dict[tuple[int, int], tuple[Lookahead, ...]] = {}
 
-    def lookahead(self, forward_depth: int, backward_depth: int) -> tuple[tuple[Entry, ...], ...]:
-        """Per position, the entries a refill there may issue, nearest first; computed once per depths.
+    def lookahead(self, forward_depth: int, backward_depth: int) -> tuple[Lookahead, ...]:
+        """Per position, what a refill there may provide for; computed once per depths.
 
-        The depth is that of the phase the position heads into. Entries that were resident while
-        recording take no slot; the list ends at a segment boundary (FSDP2 drops gathers pending
-        at the end of a backward) and at a unit's second entry (one use at a time is provided for:
-        the unit is kept unsharded from one use to the next, or gathered for the next).
+        The depth is that of the phase the position heads into (0: nothing is held ahead).
+        Entries that were resident while recording take no slot; the entries end at a segment
+        boundary (FSDP2 drops gathers pending at the end of a backward) and at a unit's second
+        entry (one use at a time is provided for: the unit is kept unsharded from one use to the
+        next, or gathered for the next).
         """
         key = (forward_depth, backward_depth)
         if key not in self._lookaheads:
             self._lookaheads[key] = tuple(
                 _lookahead_from(self.entries, position, forward_depth if entry.phase.in_forward else backward_depth)
                 for position, entry in enumerate(self.entries)
-            ) + ((),)  # at the end: nothing left to issue
+            ) + (_NOTHING_AHEAD,)
         return self._lookaheads[key]
 
     def __len__(self) -> int:
@@ -130,21 +144,23 @@ class Cursor:
     def advance(self) -> None:
         self.position += 1
 
-    def lookahead(self) -> tuple[Entry, ...]:
-        """The not yet demanded entries a refill may issue now (see :meth:`ExecutionOrder.lookahead`).
+    def lookahead(self) -> Lookahead:
+        """What a refill may provide for now, not yet demanded (see :meth:`ExecutionOrder.lookahead`).
 
         The position never passes the end (a demand there diverges), where the lookahead is empty.
         """
         return self._lookahead[self.position]
 
 
-def _lookahead_from(entries: tuple[Entry, ...], position: int, depth: int) -> tuple[Entry, ...]:
+def _lookahead_from(entries: tuple[Entry, ...], position: int, depth: int) -> Lookahead:
+    if depth == 0:
+        return _NOTHING_AHEAD
     segment = entries[position].segment
     picked: list[Entry] = []
     units: set[Unit] = set()
     for i in range(position, len(entries)):
         entry = entries[i]
-        if len(picked) >= depth or entry.segment != segment:
+        if len(picked) > depth or entry.segment != segment:
             break
         if not entry.needs_gather:
             continue
@@ -152,5 +168,5 @@ def _lookahead_from(entries: tuple[Entry, ...], position: int, depth: int) -> tu
             break
         picked.append(entry)
         units.add(entry.unit)
-    return tuple(picked)
+    return Lookahead(tuple(picked), depth)
 

@@ -339,28 +339,33 @@ class PrefetchScheduler:
     def _refill(self, scope: _Scope) -> None:
         """Provide for the next entries of the cursor's lookahead, nearest first.
 
-        A unit in use now (the one just demanded, or an outer unit still running) is needed again
-        by its entry here: instead of letting FSDP2 reshard it and gathering it again right after,
-        it is kept unsharded, which costs the same slot and bytes and no collective.
+        At most ``depth`` all-gathers are in flight ahead. A unit in use now (the one just
+        demanded, or an outer unit still running) that its entry needs again is not resharded and
+        gathered again: it is kept unsharded, which costs its bytes but no gather slot.
         """
         cursor = scope.cursor
         if cursor is None or scope.demand_only:
             return
-        for entry in cursor.lookahead():
+        ahead = cursor.lookahead()
+        gathers = 0
+        for entry in ahead.entries:
             unit = entry.unit
             if entry.segment > scope.segment:
                 return  # the current backward has not finished yet
-            if unit in self._window:
-                continue  # already provided for
-            if not self._window.fits(unit):
-                return  # the next demand frees room
-            if _compat.is_sharded_idle(unit.state):
-                if self._window.prefetch(unit, backward=not entry.phase.in_forward):
-                    self.stats.count(scope.key, "prefetches")
-            elif self._window.keep(unit):
+            held = self._window.holds(unit)
+            if held is not None:
+                gathers += held == "prefetched"
+                continue
+            in_use = not _compat.is_sharded_idle(unit.state)
+            if (not in_use and gathers >= ahead.gathers) or not self._window.fits(unit):
+                return  # the next demand frees a slot or room
+            if in_use:
+                if not self._window.keep(unit):
+                    return  # cannot keep it (no FSDP2 internals): nothing later may jump the queue
                 self.stats.count(scope.key, "kept")
-            else:
-                return  # cannot keep it (no FSDP2 internals): nothing later may jump the queue
+            elif self._window.prefetch(unit, backward=not entry.phase.in_forward):
+                gathers += 1
+                self.stats.count(scope.key, "prefetches")
 
     def _prefetch_static(self, scope: _Scope, unit: Unit, phase: Phase) -> None:
         """Module-tree order in forward, its reverse in backward: the attach-time guess."""

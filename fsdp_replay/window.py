@@ -32,8 +32,11 @@ class PrefetchWindow:
     def __len__(self) -> int:
         return len(self._prefetched) + len(self._kept)
 
-    def __contains__(self, unit: Unit) -> bool:
-        return unit in self._prefetched or unit in self._kept
+    def holds(self, unit: Unit) -> Held | None:
+        """How the unit's next demand is already provided for, if it is."""
+        if unit in self._prefetched:
+            return "prefetched"
+        return "kept" if unit in self._kept else None
 
     @property
     def bytes_ahead(self) -> int:

@@ -44,22 +44,28 @@ def test_back_to_back_uses_are_kept_unsharded_and_skip_their_all_gathers(mesh):
     _assert_all_sharded_with_settings_restored(model)
 
 
-def test_a_keep_costs_one_slot_like_the_prefetch_it_replaces(mesh8):
+def test_a_keep_takes_no_gather_slot_but_counts_against_the_byte_cap(mesh8):
     w = workload("shared_block", n_blocks=6)
-    model = w.make_model().shard(mesh8)
-    sched = attach(model, PrefetchConfig(forward_prefetch=1, backward_prefetch=1))
-    held = []
+    for cap in (None, "one unit"):
+        model = w.make_model().shard(mesh8)
+        sched = attach(model, PrefetchConfig())
+        if cap:
+            sched.detach()
+            sched = attach(model, PrefetchConfig(max_prefetch_bytes=max(u.unsharded_bytes for u in sched.units)))
+        held = []
 
-    def count_held(module, args):
-        held.append(len(sched._window))
+        def count_held(module, args):
+            held.append((len(sched._window._prefetched), len(sched._window._kept)))
 
-    for step in range(3):
-        handles = [m.register_forward_pre_hook(count_held) for m in model.blocks]
-        with sched.iteration("train"):
-            run_iteration(model, w, step)
-        for h in handles:
-            h.remove()
-    assert max(held) == 1 and sched.stats.kept > 0 and sched.stats.wasted == 0
+        for step in range(3):
+            handles = [m.register_forward_pre_hook(count_held) for m in model.blocks]
+            with sched.iteration("train"):
+                run_iteration(model, w, step)
+            for h in handles:
+                h.remove()
+        assert max(p for p, _ in held) == 1 and max(k for _, k in held) == 1, cap  # depth 1: one gather ahead
+        assert max(p + k for p, k in held) == (2 if cap is None else 1), cap
+        assert sched.stats.kept > 0 and sched.stats.wasted == 0 and sched.stats.misses <= 2 * 17
 
 
 def test_kept_units_are_resharded_when_the_scope_diverges(mesh8):

@@ -31,25 +31,28 @@ def test_cursor_checks_and_advances_monotonically():
     cursor = Cursor(ExecutionOrder([Entry(a, Phase.forward, True), Entry(b, Phase.backward, True)]))
     assert cursor.expected.matches(a, Phase.forward) and not cursor.expected.matches(a, Phase.backward)
     cursor.advance()
-    assert [e.unit for e in cursor.lookahead()] == [b]
+    assert [e.unit for e in cursor.lookahead().entries] == [b]
     cursor.advance()
-    assert cursor.done and cursor.expected is None and cursor.lookahead() == ()
+    assert cursor.done and cursor.expected is None and cursor.lookahead().entries == ()
 
 
 def test_lookahead_takes_the_phase_depth_skips_resident_and_stops_at_repeats_and_segments():
-    (a, b, c, r), _ = _units("a", "b", "c", "root")
+    (a, b, c, d, r), _ = _units("a", "b", "c", "d", "root")
     order = ExecutionOrder(
         [Entry(r, Phase.forward, False), Entry(a, Phase.forward, True), Entry(b, Phase.forward, True),
          Entry(a, Phase.forward, True), Entry(c, Phase.backward, True), Entry(r, Phase.backward, False),
-         Entry(b, Phase.backward, True), Entry(c, Phase.forward, True, 1)]
+         Entry(b, Phase.backward, True), Entry(d, Phase.backward, True), Entry(c, Phase.forward, True, 1)]
     )
     ahead = order.lookahead(3, 1)
-    names = [[e.unit.fqn for e in entries] for entries in ahead]
+    names = [[e.unit.fqn for e in lookahead.entries] for lookahead in ahead]
+    # One entry beyond the depth: a unit in use is kept rather than gathered, and takes no gather slot.
     assert names[0] == ["a", "b"]  # root takes no slot; one use of a unit at a time
-    assert names[2] == ["b", "a", "c"]  # forward depth 3
-    assert names[4] == ["c"] and names[5] == ["b"]  # backward depth 1, past the resident root
-    assert names[6] == ["b"]  # c's forward is in the next segment
-    assert names[8] == []  # past the end
+    assert names[2] == ["b", "a", "c"] and ahead[2].gathers == 3  # forward depth 3, then the segment ends
+    assert names[4] == ["c", "b"] and ahead[4].gathers == 1  # backward depth 1, past the resident root
+    assert names[6] == ["b", "d"]
+    assert names[7] == ["d"]  # c's forward is in the next segment
+    assert names[9] == [] and ahead[9].gathers == 0  # past the end
+    assert all(lookahead.entries == () for lookahead in order.lookahead(0, 0))  # depth 0 holds nothing
     assert order.lookahead(3, 1) is ahead  # computed once per depths
 
 
