@@ -44,11 +44,11 @@ class PrefetchConfig:
     mode: PrefetchMode = PrefetchMode.record_and_replay
     """Scheduling mode; see :class:`PrefetchMode`."""
     forward_prefetch: int = 1
-    """Units kept in flight ahead of use while in forward; 0 disables forward prefetch."""
+    """All-gathers in flight ahead of use while in forward; 0 disables forward prefetch (and keeps)."""
     backward_prefetch: int = 1
-    """Units kept in flight ahead of use while in backward (activation recompute counts as backward)."""
+    """All-gathers in flight ahead of use while in backward (activation recompute counts as backward)."""
     max_prefetch_bytes: int | None = None
-    """Cap on unsharded bytes gathered ahead of use; at least one unit is always allowed in flight."""
+    """Cap on unsharded bytes held ahead of use (gathered early or kept unsharded); one unit is always allowed."""
     check_ranks: bool = True
     """Compare every new recording across the ranks of the units' process group before replaying it."""
     on_divergence: str = "fallback"

@@ -368,9 +368,15 @@ class PrefetchScheduler:
                 self.stats.count(scope.key, "prefetches")
 
     def _prefetch_static(self, scope: _Scope, unit: Unit, phase: Phase) -> None:
-        """Module-tree order in forward, its reverse in backward: the attach-time guess."""
+        """Module-tree order in forward, its reverse in backward: the attach-time guess.
+
+        A wrong guess stays pending until its unit is used, so the gathers already held count
+        against the depth: memory stays within ``depth`` units ahead however often it guesses wrong.
+        """
         depth = self.config.depth(phase.in_forward)
         for successor in self._static_next[phase.in_forward][unit][:depth]:
+            if len(self._window) >= depth:
+                return
             if not _compat.is_sharded_idle(successor.state):
                 continue
             if not self._window.fits(successor):

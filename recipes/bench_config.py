@@ -30,7 +30,7 @@ class RunConfig:
     """Block width; a block is two ``dim x hidden`` linears, one FSDP unit."""
     hidden: int = 1024
     n_blocks: int = 6
-    rows: int = 128
+    rows: int = 256
     """Rows per microbatch: sets compute per unit against its all-gather time."""
     warmup_steps: int = 3
     """Per mode, before timing; the first ``record_and_replay`` scope records."""
@@ -95,7 +95,8 @@ class CpuCostConfig:
     hidden: int = 32
     rows: int = 4
     warmup_steps: int = 3
-    steps: int = 40
+    steps: int = 100
+    """Rounds (one step of each mode); per-step CPU time on a shared machine varies by +-10%."""
 
     def __post_init__(self) -> None:
         require_at_least(2, self, "world_size", "units", "warmup_steps")

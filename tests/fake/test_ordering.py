@@ -204,3 +204,17 @@ def test_public_output_hooks_record_the_same_backward_demands_as_fsdp2s_pre_back
         orders.append(sched.recorded_order("train"))
         assert all(kind in ("hit", "resident") for _, _, kind in logs[1]) and sched.stats.divergences == 0
     assert orders[0] == orders[1] and ("blocks.1", "backward") in orders[0]
+
+
+def test_static_wrong_guesses_never_hold_more_than_depth_gathers(mesh8):
+    w = workload("out_of_order", n_blocks=6)  # calls [4, 2, 0, 5, 3, 1]: most module-order guesses are wrong
+    model = w.make_model().shard(mesh8)
+    sched = attach(model, PrefetchConfig(mode="static"))
+    held = []
+    handles = [b.register_forward_pre_hook(lambda m, a: held.append(len(sched._window))) for b in model.blocks]
+    for step in range(2):
+        with sched.iteration("train"):
+            run_iteration(model, w, step)
+    for h in handles:
+        h.remove()
+    assert max(held) == 1 and sched.stats.prefetches > 0
