@@ -101,6 +101,14 @@ def device(state: Any) -> torch.device:
 
 def demand_kind(state: Any) -> str:
     """How a demand finds the unit: ``"hits"`` (gather pending), ``"resident"`` or ``"misses"``."""
+    if not INTERNALS_OK:  # pragma: no cover
+        return "misses"
+    groups = state._fsdp_param_groups
+    if len(groups) == 1:  # the common case, read once: called on every demand and refill
+        group = groups[0]
+        if group._all_gather_result is not None:
+            return "hits"
+        return "resident" if group.is_unsharded else "misses"
     if is_pending(state):
         return "hits"
     return "resident" if is_resident(state) else "misses"
@@ -118,17 +126,12 @@ def is_pending(state: Any) -> bool:
 
 def is_resident(state: Any) -> bool:
     """Parameters are unsharded (no all-gather needed)."""
-    if not INTERNALS_OK:
-        return False  # pragma: no cover
-    groups = state._fsdp_param_groups
-    if len(groups) == 1:
-        return groups[0].is_unsharded
-    return all(g.is_unsharded for g in groups)
+    return INTERNALS_OK and all(g.is_unsharded for g in state._fsdp_param_groups)
 
 
 def is_sharded_idle(state: Any) -> bool:
     """Neither resident nor pending: a use now would have to gather."""
-    return not is_pending(state) and not is_resident(state)
+    return demand_kind(state) == "misses"
 
 
 def opens_forward(state: Any) -> bool:
