@@ -101,7 +101,7 @@ class RunReport:
             (f"peak memory ({memory_kind})", f"{peak / 2**20:,.1f} MiB"),
             ("prefetch hits / misses / resident", f"{stats.hits} / {stats.misses} / {stats.resident}"),
             ("hit rate", f"{stats.hit_rate:.1%}"),
-            ("prefetches / wasted", f"{stats.prefetches} / {stats.wasted}"),
+            ("prefetches / kept / wasted", f"{stats.prefetches} / {stats.kept} / {stats.wasted}"),
             ("divergences", str(stats.divergences)),
         ]
         width = max(len(name) for name, _ in rows)
