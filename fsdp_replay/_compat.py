@@ -101,14 +101,6 @@ def device(state: Any) -> torch.device:
 
 def demand_kind(state: Any) -> str:
     """How a demand finds the unit: ``"hits"`` (gather pending), ``"resident"`` or ``"misses"``."""
-    if not INTERNALS_OK:  # pragma: no cover
-        return "misses"
-    groups = state._fsdp_param_groups
-    if len(groups) == 1:  # the common case, read once: called on every demand and refill
-        group = groups[0]
-        if group._all_gather_result is not None:
-            return "hits"
-        return "resident" if group.is_unsharded else "misses"
     if is_pending(state):
         return "hits"
     return "resident" if is_resident(state) else "misses"
@@ -131,7 +123,7 @@ def is_resident(state: Any) -> bool:
 
 def is_sharded_idle(state: Any) -> bool:
     """Neither resident nor pending: a use now would have to gather."""
-    return demand_kind(state) == "misses"
+    return not is_pending(state) and not is_resident(state)
 
 
 def opens_forward(state: Any) -> bool:

@@ -169,4 +169,3 @@ def _lookahead_from(entries: tuple[Entry, ...], position: int, depth: int) -> Lo
         picked.append(entry)
         units.add(entry.unit)
     return Lookahead(tuple(picked), depth)
-

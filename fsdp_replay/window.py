@@ -15,8 +15,8 @@ class PrefetchWindow:
 
     A unit is held either as a *prefetch* (its all-gather issued before the demand) or as a *keep*
     (it is in use now and FSDP2 is told to skip its reshard, because the order needs it again
-    next). Both cost the same memory, one unit's unsharded bytes, and take one slot; a keep issues
-    no collective at all.
+    next). Both hold one unit's unsharded bytes, which the byte cap counts; only a prefetch is an
+    all-gather in flight, so only prefetches count against the prefetch depth.
 
     Every decision here depends only on the recorded order and on unit sizes, which all ranks
     share, so all ranks issue the same all-gathers in the same order.
