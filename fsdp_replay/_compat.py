@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
+from torch.autograd import Variable
 from torch.distributed.fsdp import FSDPModule
 from torch.profiler import record_function
 from torch.utils._pytree import tree_leaves
@@ -35,6 +36,9 @@ if INTERNALS_OK:
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
     from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    _IDLE_STATES = (TrainingState.IDLE, TrainingState.POST_BACKWARD)
+    """Group states between uses of the unit."""
 else:  # pragma: no cover - exercised only on untested torch releases
     logger.warning(
         "fsdp_replay: torch %s is outside the tested releases %s; using the public FSDP2 API only "
@@ -126,6 +130,11 @@ def is_sharded_idle(state: Any) -> bool:
     return not is_pending(state) and not is_resident(state)
 
 
+def in_use(state: Any) -> bool:
+    """A forward or backward of the unit is running, so FSDP2 reshards it when that use ends."""
+    return INTERNALS_OK and any(g._training_state not in _IDLE_STATES for g in state._fsdp_param_groups)
+
+
 def opens_forward(state: Any) -> bool:
     """Whether this pre-forward starts a new forward pass of the unit (grouped units fire per module)."""
     return not INTERNALS_OK or state._training_state != TrainingState.FORWARD
@@ -208,7 +217,7 @@ def issue_unshard(state: Any, *, backward: bool) -> None:
         # What FSDPParamGroup.use_training_state does, without a generator context per gather.
         saved, group._training_state = group._training_state, training_state
         try:
-            group.unshard(async_op=True if cpu else group.unshard_async_op)
+            FSDPParamGroup.unshard(group, async_op=True if cpu else group.unshard_async_op)
         finally:
             group._training_state = saved
 
@@ -220,53 +229,158 @@ def release(state: Any) -> None:
     for group in state._fsdp_param_groups:
         if group._all_gather_result is not None:
             group.wait_for_unshard()
-            group.reshard()
+            FSDPParamGroup.reshard(group)  # the class method: our own call, not another party's
 
 
-def keep_unsharded(state: Any) -> Any:
-    """Skip the unit's next reshard (after its forward or its backward), so its next use gathers nothing.
+# --- FSDP2's reshards and unshards, seen as they happen ------------------------------------------
 
-    Returns what :func:`stop_keeping` restores, or None where FSDP2's internals are not available.
+# [Note: fsdp_replay never owns FSDP2's settings]
+# The user (``set_reshard_after_backward`` for gradient accumulation, ``unshard()``/``reshard()``),
+# torch pipelining (``PipelineStage`` toggles reshard/sync per microbatch, the runtime's
+# UNSHARD/RESHARD actions) and ``reset_iter_state`` all drive the same FSDP2 state. fsdp_replay
+# therefore writes none of FSDP2's settings. To keep a unit unsharded for its next use it skips
+# one *lifecycle* reshard (FSDP2's own, after a forward or a backward) at the moment FSDP2 makes
+# it, and only if FSDP2 would really reshard then under whatever settings are current. Any other
+# party's reshard, unshard or reset of a unit the scheduler holds hands that unit over to them:
+# it leaves the window untouched by the scheduler from then on. So whoever sets a field, their
+# value is the one FSDP2 acts on, and a unit ends a step sharded or not exactly as plain FSDP2
+# would leave it.
+
+
+def intercept_group_calls(
+    state: Any, *, skip_lifecycle_reshard: Callable[[], bool], on_other_party: Callable[[], None]
+) -> bool:
+    """Shadow FSDP2's per-group lifecycle methods with instance attributes that report to the scheduler.
+
+    ``skip_lifecycle_reshard()`` is asked when FSDP2's own post-forward or post-backward is about
+    to reshard the group (only where its current settings make that a real reshard); True skips
+    it. ``on_other_party()`` is told of every ``reshard``, ``unshard`` or ``_reset_iter_state``
+    that is neither FSDP2's forward/backward lifecycle nor the scheduler's own (which calls the
+    class methods directly). See [Note: fsdp_replay never owns FSDP2's settings].
+    False where FSDP2's internals are not available.
     """
     if not INTERNALS_OK:  # pragma: no cover
-        return None
-    saved = []
+        return False
     for group in state._fsdp_param_groups:
-        saved.append((group.post_forward_mesh_info, group.reshard_after_backward))
-        # FSDP2 reshards after forward only while post_forward_mesh_info is set.
-        group.post_forward_mesh_info = None
-        group.reshard_after_backward = False
-    return saved
+        _intercept_group(state, group, skip_lifecycle_reshard, on_other_party)
+    return True
 
 
-def stop_keeping(state: Any, saved: Any, *, reshard_now: bool) -> None:
-    """Restore the reshard settings; with ``reshard_now``, also free a kept unit no longer in use.
+_INTERCEPTED = ("post_forward", "post_backward", "reshard", "unshard", "_reset_iter_state")
 
-    A unit mid-use (forward or backward still running) is left to FSDP2's own reshard at its end.
+
+def _intercept_group(
+    state: Any, group: Any, skip_lifecycle_reshard: Callable[[], bool], on_other_party: Callable[[], None]
+) -> None:
+    fsdp = {name: getattr(group, name) for name in _INTERCEPTED}
+    in_lifecycle = [False]  # inside FSDP2's post_forward/post_backward of this group
+
+    def lifecycle(name: str) -> Callable[..., Any]:
+        def call(*args: Any) -> Any:
+            in_lifecycle[0] = True
+            try:
+                return fsdp[name](*args)
+            finally:
+                in_lifecycle[0] = False
+
+        return call
+
+    def reshard() -> None:
+        if in_lifecycle[0]:
+            # After a forward FSDP2 reshards only while post_forward_mesh_info is set; after a
+            # backward it calls reshard only while reshard_after_backward holds.
+            real = group._training_state is not TrainingState.FORWARD or group.post_forward_mesh_info is not None
+            if real and skip_lifecycle_reshard():
+                return
+        else:
+            on_other_party()
+        fsdp["reshard"]()
+
+    def unshard(async_op: bool = False) -> None:
+        # FSDP2's own unshards come from pre-forward, pre-backward and recompute, when the unit's
+        # state is FORWARD or PRE_BACKWARD; from an idle unit it is someone else's call.
+        if state._training_state is TrainingState.IDLE:
+            on_other_party()
+        fsdp["unshard"](async_op)
+
+    def reset_iter_state() -> None:
+        on_other_party()
+        fsdp["_reset_iter_state"]()
+
+    group.post_forward, group.post_backward = lifecycle("post_forward"), lifecycle("post_backward")
+    group.reshard, group.unshard, group._reset_iter_state = reshard, unshard, reset_iter_state
+
+
+def stop_intercepting_group_calls(state: Any) -> None:
+    for group in state._fsdp_param_groups:
+        for name in _INTERCEPTED:
+            group.__dict__.pop(name, None)
+
+
+def reshard_if_idle(state: Any) -> None:
+    """Do the reshard a keep skipped, now that its next use will not come (scope end, divergence).
+
+    A unit mid-use is left to FSDP2's own reshard at the end of that use.
     """
-    for group, (post_forward_mesh_info, reshard_after_backward) in zip(state._fsdp_param_groups, saved):
-        group.post_forward_mesh_info = post_forward_mesh_info
-        group.reshard_after_backward = reshard_after_backward
-        idle = group._training_state in (TrainingState.IDLE, TrainingState.POST_BACKWARD)
-        if reshard_now and idle and group.is_unsharded:
-            group.reshard()
+    for group in state._fsdp_param_groups:
+        if group._training_state in _IDLE_STATES and group.is_unsharded:
+            FSDPParamGroup.reshard(group)  # the class method: our own call, not another party's
+
+
+def intercept_backward_end(state: Any, on_backward_end: Callable[[], None]) -> bool:
+    """Call ``on_backward_end`` right after FSDP2's root post-backward callback, whoever runs it.
+
+    FSDP2 queues that callback once per backward on the outermost graph task (a reentrant
+    checkpoint's nested backward finds it queued already); torch pipelining calls it directly when
+    a stage finalizes its gradients. Shadowing it on every state under the root (any of them may
+    queue it) makes the scheduler's end of backward FSDP2's own. False without FSDP2's internals.
+    """
+    if not INTERNALS_OK:  # pragma: no cover
+        return False
+    fsdp_callback = state._root_post_backward_final_callback
+
+    def root_post_backward_final_callback() -> None:
+        fsdp_callback()
+        on_backward_end()
+
+    state._root_post_backward_final_callback = root_post_backward_final_callback
+    return True
+
+
+def stop_intercepting_backward_end(state: Any) -> None:
+    state.__dict__.pop("_root_post_backward_final_callback", None)
+
+
+def queue_backward_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the current autograd graph task ends (public-fallback end of backward)."""
+    Variable._execution_engine.queue_callback(callback)
 
 
 # --- FSDP2's own prefetch, turned off while attached ----------------------------------------
 
 
-def own_prefetch_lists(state: Any) -> tuple[list[Any], list[Any]]:
-    return list(state._states_to_forward_prefetch), list(state._states_to_backward_prefetch)
+def disable_own_prefetch(state: Any) -> tuple[tuple[list[Any], list[Any]], tuple[list[Any], list[Any]]]:
+    """Turn FSDP2's own prefetch off: no explicit lists, and a backward list holding the unit itself
+    (which turns the implicit backward prefetch off too).
+
+    Returns ``(saved, installed)`` for :func:`restore_own_prefetch`.
+    """
+    saved = (state._states_to_forward_prefetch, state._states_to_backward_prefetch)
+    installed: tuple[list[Any], list[Any]] = ([], [state])
+    state._states_to_forward_prefetch, state._states_to_backward_prefetch = installed
+    return saved, installed
 
 
-def disable_own_prefetch(state: Any) -> None:
-    """No explicit lists; a backward list holding the unit itself turns the implicit one off too."""
-    state._states_to_forward_prefetch = []
-    state._states_to_backward_prefetch = [state]
+def restore_own_prefetch(state: Any, saved: tuple[list[Any], list[Any]], installed: tuple[list[Any], list[Any]]) -> None:
+    """Put back each list the scheduler replaced, unless someone set a list of their own since.
 
-
-def restore_own_prefetch(state: Any, saved: tuple[list[Any], list[Any]]) -> None:
-    state._states_to_forward_prefetch, state._states_to_backward_prefetch = (list(s) for s in saved)
+    FSDP2's setters assign a new list, so identity tells whether ours is still there.
+    See [Note: fsdp_replay never owns FSDP2's settings].
+    """
+    if state._states_to_forward_prefetch is installed[0]:
+        state._states_to_forward_prefetch = saved[0]
+    if state._states_to_backward_prefetch is installed[1]:
+        state._states_to_backward_prefetch = saved[1]
 
 
 def ensure_lazy_init(root_state: Any) -> None:

@@ -27,7 +27,7 @@ from fsdp_replay.hooks import HookSet
 from fsdp_replay.order import Cursor, Entry, ExecutionOrder, Phase, first_difference
 from fsdp_replay.stats import PrefetchStats
 from fsdp_replay.units import Unit, discover_units
-from fsdp_replay.window import PrefetchWindow
+from fsdp_replay.window import Held, PrefetchWindow
 
 logger = logging.getLogger("fsdp_replay")
 
@@ -80,14 +80,10 @@ class PrefetchScheduler:
         self._param_ids = {id(p) for p in root.parameters()}
         self._optimizers_seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._warned_step_in_scope = False
-        self._saved_prefetch = {}
-        for unit in self.units:
-            forward, backward = _compat.own_prefetch_lists(unit.state)
-            self._saved_prefetch[unit] = ([weakref.ref(s) for s in forward], [weakref.ref(s) for s in backward])
-            _compat.disable_own_prefetch(unit.state)
+        self._saved_prefetch = {unit: _compat.disable_own_prefetch(unit.state) for unit in self.units}
         self._hooks = HookSet(self)
-        for unit in self.units:
-            self._hooks.register_unit(unit)
+        self._keeps = all([self._hooks.register_unit(unit) for unit in self.units])
+        """Whether FSDP2's reshards can be seen and skipped (its internals are available)."""
         self._hooks.register_root(root)
         self._optimizer_hook = register_optimizer_step_pre_hook(_weak_step_hook(self))
         weakref.finalize(self, self._optimizer_hook.remove)
@@ -167,9 +163,9 @@ class PrefetchScheduler:
         self._window.release_all()
         self._hooks.remove()
         self._optimizer_hook.remove()
-        for unit, (forward, backward) in self._saved_prefetch.items():
+        for unit, (saved, installed) in self._saved_prefetch.items():
             if (state := unit._state()) is not None:
-                _compat.restore_own_prefetch(state, ([r() for r in forward], [r() for r in backward]))
+                _compat.restore_own_prefetch(state, saved, installed)
         self._saved_prefetch.clear()
         self.attached = False
 
@@ -214,9 +210,8 @@ class PrefetchScheduler:
         kind = _compat.demand_kind(state)
         self.stats.count(key, "demands")
         self.stats.count(key, kind)
-        held = self._window.take(unit)
-        if held is not None and kind != ("hits" if held == "prefetched" else "resident"):
-            self.stats.count(key, "wasted")  # FSDP2 dropped the gather (e.g. finalize_backward) or resharded
+        if self._window.take(unit) is not None and kind == "misses":
+            self.stats.count(key, "dropped")  # FSDP2 dropped the gather (e.g. finalize_backward) or a reset did
         if scope is None or scope.demand_only:
             return
         scope.backward_started |= phase is Phase.backward
@@ -227,12 +222,28 @@ class PrefetchScheduler:
         if scope.cursor is not None and not self._replay_matches(scope, unit, phase):
             return
         if kind == "misses":
-            self._window.gather_now(unit, backward=not phase.in_forward)
+            # Issued before any prefetch, so the demanded gather is not queued behind them.
+            with _compat.trace("fsdp_replay::gather_at_demand", unit.fqn):
+                _compat.issue_unshard(state, backward=not phase.in_forward)
         if scope.cursor is not None:
             scope.cursor.advance()
-            self._refill(scope)
+            self._refill(scope, demanded=unit)
         else:
             self._prefetch_static(scope, unit, phase)
+
+    def on_lifecycle_reshard(self, unit: Unit) -> bool:
+        """FSDP2 is about to reshard ``unit`` after a use; True skips it (the unit is kept)."""
+        first = self._window.skips_reshard(unit)
+        if first is None:
+            return False
+        if first:
+            self.stats.count(self._scope.key if self._scope is not None else None, "kept")
+        return True
+
+    def on_other_party(self, unit: Unit) -> None:
+        """Someone else resharded, unshard or reset ``unit``: it is theirs now, not the window's."""
+        if self._window.take(unit) is not None:
+            self.stats.count(self._scope.key if self._scope is not None else None, "dropped")
 
     def on_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         scope = self._scope
@@ -273,7 +284,10 @@ class PrefetchScheduler:
         if not scope.demand_only and (root_state := self._root_state()) is not None:
             # This scope may gather before FSDP2's root pre-forward (first step, or a resumed run).
             _compat.ensure_lazy_init(root_state)
-        self._refill(scope)  # the scope's first gathers go out before its first forward
+        if explicit:
+            self._refill(scope)  # the scope's first gathers go out before its first forward
+        # An automatic scope opens inside the root's pre-forward, which is already its first
+        # demand: that demand gathers at the point of use, and replay starts from there.
         return scope
 
     def _close_auto_scope(self, scope: _Scope) -> None:
@@ -336,12 +350,13 @@ class PrefetchScheduler:
 
     # --- prefetch --------------------------------------------------------------------------------
 
-    def _refill(self, scope: _Scope) -> None:
+    def _refill(self, scope: _Scope, demanded: Unit | None = None) -> None:
         """Provide for the next entries of the cursor's lookahead, nearest first.
 
-        At most ``depth`` all-gathers are in flight ahead. A unit in use now (the one just
-        demanded, or an outer unit still running) that its entry needs again is not resharded and
-        gathered again: it is kept unsharded, which costs its bytes but no gather slot.
+        At most ``depth`` all-gathers are in flight ahead. A unit in use now (``demanded``, about
+        to run, or an outer unit still running) that its entry needs again is not resharded and
+        gathered again: it is kept unsharded, which costs its bytes but no gather slot. A unit
+        already unsharded or gathering by someone else's doing needs nothing.
         """
         cursor = scope.cursor
         if cursor is None or scope.demand_only:
@@ -354,15 +369,18 @@ class PrefetchScheduler:
                 return  # the current backward has not finished yet
             held = self._window.holds(unit)
             if held is not None:
-                gathers += held == "prefetched"
+                gathers += held is Held.prefetched
                 continue
-            in_use = not _compat.is_sharded_idle(unit.state)
+            state = unit.state
+            in_use = unit is demanded or _compat.in_use(state)
+            if not in_use and not _compat.is_sharded_idle(state):
+                continue  # resident or gathering already (accumulation settings, a user's unshard)
             if (not in_use and gathers >= ahead.gathers) or not self._window.fits(unit):
                 return  # the next demand frees a slot or room
             if in_use:
-                if not self._window.keep(unit):
+                if not self._keeps:
                     return  # cannot keep it (no FSDP2 internals): nothing later may jump the queue
-                self.stats.count(scope.key, "kept")
+                self._window.keep(unit)
             elif self._window.prefetch(unit, backward=not entry.phase.in_forward):
                 gathers += 1
                 self.stats.count(scope.key, "prefetches")

@@ -22,7 +22,11 @@ class KeyStats:
     kept: int = 0
     """Units kept unsharded from one use to their next instead of resharded and gathered again."""
     wasted: int = 0
-    """Prefetches and keeps released without being used."""
+    """Prefetches and keeps the scheduler released without their demand coming."""
+    dropped: int = 0
+    """Prefetches and keeps another party undid or took over before their demand: a user's or a
+    pipeline schedule's ``reshard()``/``unshard()``, ``reset_iter_state``, or FSDP2 dropping a
+    pending gather when it finalizes a backward."""
     divergences: int = 0
     """Replayed scopes whose demands left their recorded order."""
     recordings: int = 0

@@ -2,31 +2,40 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import enum
 
 from fsdp_replay import _compat
 from fsdp_replay.units import Unit
 
-Held = Literal["prefetched", "kept"]
+
+class Held(enum.Enum):
+    """How the window provides for a unit's next demand."""
+
+    prefetched = "prefetched"
+    """Its all-gather was issued ahead of the demand."""
+    kept = "kept"
+    """It is in use now and FSDP2's reshard at the end of that use is skipped."""
 
 
 class PrefetchWindow:
     """Units whose next demand the scheduler has already provided for, in insertion order.
 
     A unit is held either as a *prefetch* (its all-gather issued before the demand) or as a *keep*
-    (it is in use now and FSDP2 is told to skip its reshard, because the order needs it again
-    next). Both hold one unit's unsharded bytes, which the byte cap counts; only a prefetch is an
-    all-gather in flight, so only prefetches count against the prefetch depth.
+    (it is in use now, and FSDP2's own reshard at the end of that use is skipped because the order
+    needs the unit again next). Both hold one unit's unsharded bytes, which the byte cap counts;
+    only a prefetch is an all-gather in flight, so only prefetches count against the prefetch depth.
 
     Every decision here depends only on the recorded order and on unit sizes, which all ranks
-    share, so all ranks issue the same all-gathers in the same order.
+    share, so all ranks issue the same all-gathers in the same order. Another party's reshard,
+    unshard or reset of a held unit (see [Note: fsdp_replay never owns FSDP2's settings] in
+    ``_compat``) hands it over: :meth:`take` drops it without touching FSDP2.
     """
 
     def __init__(self, *, max_bytes: int | None) -> None:
         self.max_bytes = max_bytes
         self._prefetched: dict[Unit, None] = {}
-        self._kept: dict[Unit, Any] = {}
-        """Kept unit -> the reshard settings to restore once it is demanded or released."""
+        self._kept: dict[Unit, bool] = {}
+        """Kept unit -> whether a reshard of it was skipped (so plain FSDP2 would have it sharded now)."""
         self._bytes_ahead = 0
 
     def __len__(self) -> int:
@@ -35,8 +44,8 @@ class PrefetchWindow:
     def holds(self, unit: Unit) -> Held | None:
         """How the unit's next demand is already provided for, if it is."""
         if unit in self._prefetched:
-            return "prefetched"
-        return "kept" if unit in self._kept else None
+            return Held.prefetched
+        return Held.kept if unit in self._kept else None
 
     @property
     def bytes_ahead(self) -> int:
@@ -48,11 +57,6 @@ class PrefetchWindow:
             return True
         return self._bytes_ahead + unit.unsharded_bytes <= self.max_bytes
 
-    def gather_now(self, unit: Unit, *, backward: bool) -> None:
-        """Issue the demanded unit's own gather before any prefetch, so it is not queued behind them."""
-        with _compat.trace("fsdp_replay::gather_at_demand", unit.fqn):
-            _compat.issue_unshard(unit.state, backward=backward)
-
     def prefetch(self, unit: Unit, *, backward: bool) -> bool:
         """Issue ``unit``'s all-gather ahead of use; False if FSDP2 declined (e.g. no unshard in backward)."""
         with _compat.trace("fsdp_replay::prefetch", unit.fqn):
@@ -63,35 +67,44 @@ class PrefetchWindow:
         self._bytes_ahead += unit.unsharded_bytes
         return True
 
-    def keep(self, unit: Unit) -> bool:
-        """Keep the in-use ``unit`` unsharded through its coming reshard; False where that is not possible."""
-        with _compat.trace("fsdp_replay::keep", unit.fqn):
-            saved = _compat.keep_unsharded(unit.state)
-        if saved is None:
-            return False
-        self._kept[unit] = saved
+    def keep(self, unit: Unit) -> None:
+        """Hold the in-use ``unit``: FSDP2's reshards of it are skipped until its next demand."""
+        self._kept[unit] = False
         self._bytes_ahead += unit.unsharded_bytes
-        return True
+
+    def skips_reshard(self, unit: Unit) -> bool | None:
+        """FSDP2 is about to reshard ``unit`` after a use: None to let it, else whether this is the
+        first reshard skipped for the current keep (what the ``kept`` counter counts)."""
+        skipped = self._kept.get(unit)
+        if skipped is None:
+            return None
+        self._kept[unit] = True
+        return not skipped
 
     def take(self, unit: Unit) -> Held | None:
-        """The unit was demanded: it leaves the window. Says how the scheduler had provided for it."""
+        """``unit`` leaves the window, FSDP2 untouched: its demand came, or another party took it over.
+
+        Says how the scheduler had provided for it. A kept unit demanded is in use again: FSDP2
+        reshards it after this use, unless a refill keeps it again.
+        """
         if unit in self._prefetched:
             del self._prefetched[unit]
-            self._bytes_ahead -= unit.unsharded_bytes
-            return "prefetched"
-        if unit in self._kept:
-            # In use again from here: FSDP2 reshards it after this use, unless a refill keeps it again.
-            _compat.stop_keeping(unit.state, self._kept.pop(unit), reshard_now=False)
-            self._bytes_ahead -= unit.unsharded_bytes
-            return "kept"
-        return None
+            held = Held.prefetched
+        elif unit in self._kept:
+            del self._kept[unit]
+            held = Held.kept
+        else:
+            return None
+        self._bytes_ahead -= unit.unsharded_bytes
+        return held
 
     def release_all(self) -> int:
         """Free every unused prefetch and keep; returns how many were wasted.
 
         A gather left pending past the scope would make the next unshard a no-op, and a unit left
         unsharded would keep its old values: either way it would run on stale weights after
-        ``optimizer.step()``.
+        ``optimizer.step()``. A keep whose reshard was never skipped needs nothing: FSDP2 reshards
+        the unit at the end of its current use, as it would have anyway.
         """
         wasted = len(self)
         for unit in self._prefetched:
@@ -99,10 +112,10 @@ class PrefetchWindow:
             if state is not None and _compat.is_pending(state):
                 with _compat.trace("fsdp_replay::release", unit.fqn):
                     _compat.release(state)
-        for unit, saved in self._kept.items():
-            if (state := unit._state()) is not None:
+        for unit, skipped in self._kept.items():
+            if skipped and (state := unit._state()) is not None:
                 with _compat.trace("fsdp_replay::release", unit.fqn):
-                    _compat.stop_keeping(state, saved, reshard_now=True)
+                    _compat.reshard_if_idle(state)
         self._prefetched.clear()
         self._kept.clear()
         self._bytes_ahead = 0

@@ -13,6 +13,24 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
 
+def fsdp_units(root: nn.Module) -> dict[str, Any]:
+    """Every FSDP2 state with parameters under ``root``, by its module names joined with ``+``."""
+    names: dict[Any, list[str]] = {}
+    for name, module in root.named_modules():
+        if isinstance(module, FSDPModule) and (state := _get_module_state(module))._fsdp_param_groups:
+            names.setdefault(state, []).append(name or "<root>")
+    return {"+".join(labels): state for state, labels in names.items()}
+
+
+def held_units(root: nn.Module) -> list[str]:
+    """Units with parameters unsharded or an all-gather pending: what an optimizer step would find held."""
+    return [
+        name
+        for name, state in fsdp_units(root).items()
+        if any(g._all_gather_result is not None or not g.is_sharded for g in state._fsdp_param_groups)
+    ]
+
+
 def _gather_state(state: Any) -> str:
     groups = state._fsdp_param_groups
     if any(g._all_gather_result is not None for g in groups):
@@ -31,12 +49,7 @@ class DemandObserver:
     def __init__(self, root: nn.Module) -> None:
         self.log: list[tuple[str, str, str]] = []
         self._handles = []
-        names: dict[Any, list[str]] = {}
-        for name, module in root.named_modules():
-            if isinstance(module, FSDPModule) and (state := _get_module_state(module))._fsdp_param_groups:
-                names.setdefault(state, []).append(name or "<root>")
-        for state, labels in names.items():
-            label = "+".join(labels)
+        for label, state in fsdp_units(root).items():
             for m in state._modules:
                 self._handles.append(
                     m.register_forward_pre_hook(functools.partial(self._pre_forward, label, state), prepend=True)

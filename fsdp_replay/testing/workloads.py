@@ -34,8 +34,8 @@ class Block(nn.Module):
 class CallSequenceModel(nn.Module):
     """Input projection, then blocks called in ``calls`` order (repeats = shared blocks), then a head.
 
-    ``checkpoint_spans`` are ``(start, stop)`` slices of ``calls`` run under non-reentrant
-    activation checkpointing, so their units are recomputed inside backward.
+    ``checkpoint_spans`` are ``(start, stop)`` slices of ``calls`` run under activation
+    checkpointing (non-reentrant unless ``reentrant``), so their units are recomputed inside backward.
     """
 
     def __init__(
@@ -46,6 +46,7 @@ class CallSequenceModel(nn.Module):
         n_blocks: int,
         calls: Sequence[int],
         checkpoint_spans: Sequence[tuple[int, int]] = (),
+        reentrant: bool = False,
     ) -> None:
         super().__init__()
         self.inp = nn.Linear(dim, dim)
@@ -53,6 +54,7 @@ class CallSequenceModel(nn.Module):
         self.head = nn.Linear(dim, 1)
         self.calls = list(calls)
         self.checkpoint_spans = sorted(checkpoint_spans)
+        self.reentrant = reentrant
 
     def _run(self, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         for i in self.calls[start:stop]:
@@ -64,7 +66,7 @@ class CallSequenceModel(nn.Module):
         position = 0
         for start, stop in self.checkpoint_spans:
             x = self._run(x, position, start)
-            x = checkpoint(self._run, x, start, stop, use_reentrant=False)
+            x = checkpoint(self._run, x, start, stop, use_reentrant=self.reentrant)
             position = stop
         x = self._run(x, position, len(self.calls))
         return self.head(x).square().mean()

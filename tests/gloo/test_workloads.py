@@ -84,6 +84,26 @@ def test_replay_makes_every_demand_a_hit_or_resident(explicit_runs, name):
         assert stats["misses"] == sum(k == "miss" for _, _, k in recorded)  # all misses are in the recording
 
 
+def _assert_counters_agree_with_the_observer(results, names):
+    for rank_result in results:
+        for name in names:
+            for mode in MODES[1:]:
+                run = rank_result[(name, mode)]
+                seen = DemandObserver.counts([d for observed in run["observed"] for d in observed])
+                stats = run["stats"]
+                assert (stats["hits"], stats["misses"], stats["resident"]) == (
+                    seen.get("hit", 0), seen.get("miss", 0), seen.get("resident", 0)
+                ), (name, mode, stats, seen)
+
+
+def test_counters_agree_with_the_observer_in_explicit_scopes(explicit_runs):
+    _assert_counters_agree_with_the_observer(explicit_runs, WORKLOADS)
+
+
+def test_counters_agree_with_the_observer_in_automatic_scopes(automatic_runs):
+    _assert_counters_agree_with_the_observer(automatic_runs, {n for n, _ in automatic_runs[0]})
+
+
 @pytest.mark.parametrize("name", ["out_of_order", "shared_block"])
 def test_static_guess_misses_or_wastes_where_order_is_irregular(explicit_runs, name):
     for rank_result in explicit_runs:
