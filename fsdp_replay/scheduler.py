@@ -60,6 +60,7 @@ class _Scope:
     """Automatic scopes: a scope still open at the next root forward failed if its backward began."""
 
 
+
 class PrefetchScheduler:
     """Schedules FSDP2 unshards for every unit under one root; create it with :func:`attach`."""
 
@@ -80,6 +81,10 @@ class PrefetchScheduler:
         self._param_ids = {id(p) for p in root.parameters()}
         self._optimizers_seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._warned_step_in_scope = False
+        self._gathered: set[Unit] = set()
+        """Units all-gathered since the last optimizer step: only their unsharded values are current.
+        A unit left unsharded across a step is stale, and plain FSDP2 renews it at its next reshard
+        and gather, so only these are ever kept."""
         self._saved_prefetch = {unit: _compat.disable_own_prefetch(unit.state) for unit in self.units}
         self._hooks = HookSet(self)
         self._keeps = all([self._hooks.register_unit(unit) for unit in self.units])
@@ -210,8 +215,11 @@ class PrefetchScheduler:
         kind = _compat.demand_kind(state)
         self.stats.count(key, "demands")
         self.stats.count(key, kind)
-        if self._window.take(unit) is not None and kind == "misses":
+        held = self._window.take(unit)
+        if held is not None and kind == "misses":
             self.stats.count(key, "dropped")  # FSDP2 dropped the gather (e.g. finalize_backward) or a reset did
+        if kind == "misses" or held is Held.prefetched:
+            self._gathered.add(unit)  # not a gather someone else left pending: that may predate a step
         if scope is None or scope.demand_only:
             return
         scope.backward_started |= phase is Phase.backward
@@ -221,7 +229,7 @@ class PrefetchScheduler:
             return
         if scope.cursor is not None and not self._replay_matches(scope, unit, phase):
             return
-        if kind == "misses":
+        if kind == "misses" and _compat.may_gather(state):
             # Issued before any prefetch, so the demanded gather is not queued behind them.
             with _compat.trace("fsdp_replay::gather_at_demand", unit.fqn):
                 _compat.issue_unshard(state, backward=not phase.in_forward)
@@ -241,13 +249,16 @@ class PrefetchScheduler:
         return True
 
     def on_other_party(self, unit: Unit) -> None:
-        """Someone else resharded, unshard or reset ``unit``: it is theirs now, not the window's."""
+        """Someone else resharded, unsharded or reset ``unit``: it is theirs now, not the window's."""
         if self._window.take(unit) is not None:
             self.stats.count(self._scope.key if self._scope is not None else None, "dropped")
 
     def on_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if not self._steps_our_params(optimizer):
+            return
+        self._gathered.clear()
         scope = self._scope
-        if scope is None or not self._steps_our_params(optimizer):
+        if scope is None:
             return
         if not scope.explicit:
             self._close_auto_scope(scope)
@@ -378,8 +389,8 @@ class PrefetchScheduler:
             if (not in_use and gathers >= ahead.gathers) or not self._window.fits(unit):
                 return  # the next demand frees a slot or room
             if in_use:
-                if not self._keeps:
-                    return  # cannot keep it (no FSDP2 internals): nothing later may jump the queue
+                if not self._keeps or unit not in self._gathered:
+                    return  # cannot keep it (no FSDP2 internals, or stale values): nothing later may jump the queue
                 self._window.keep(unit)
             elif self._window.prefetch(unit, backward=not entry.phase.in_forward):
                 gathers += 1

@@ -58,7 +58,10 @@ class PrefetchWindow:
         return self._bytes_ahead + unit.unsharded_bytes <= self.max_bytes
 
     def prefetch(self, unit: Unit, *, backward: bool) -> bool:
-        """Issue ``unit``'s all-gather ahead of use; False if FSDP2 declined (e.g. no unshard in backward)."""
+        """Issue ``unit``'s all-gather ahead of use; False if FSDP2 would decline or drop it (no unshard
+        in backward, a gradient reduction pending)."""
+        if not _compat.may_gather(unit.state):
+            return False
         with _compat.trace("fsdp_replay::prefetch", unit.fqn):
             _compat.issue_unshard(unit.state, backward=backward)
         if not _compat.is_pending(unit.state):

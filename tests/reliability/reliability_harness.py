@@ -168,8 +168,17 @@ def hook_count(root: nn.Module) -> int:
     return total
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard; a parameter left unsharded across a step is a plain tensor, kept as is."""
+    return (t.to_local() if hasattr(t, "to_local") else t).clone()
+
+
 def local_grads(model: nn.Module) -> list[torch.Tensor | None]:
-    return [None if p.grad is None else p.grad.to_local().clone() for p in model.parameters()]
+    return [None if p.grad is None else _local(p.grad) for p in model.parameters()]
+
+
+def local_params(model: nn.Module) -> list[torch.Tensor]:
+    return [_local(p.detach()) for p in model.parameters()]
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -205,6 +214,8 @@ class ModelSpec:
     """Checkpointed slices of ``calls`` (non-reentrant activation checkpointing)."""
     keep_unsharded: tuple[int, ...] = ()
     """Blocks sharded with ``reshard_after_forward=False``."""
+    reentrant: bool = False
+    """Checkpoint ``spans`` with reentrant activation checkpointing (a nested backward per region)."""
     dim: int = 8
     hidden: int = 16
     rows: int = 4
@@ -222,7 +233,12 @@ def build_model(mesh: Any, spec: ModelSpec) -> nn.Module:
 
     torch.manual_seed(0)
     model = CallSequenceModel(
-        dim=spec.dim, hidden=spec.hidden, n_blocks=spec.n_blocks, calls=spec.calls, checkpoint_spans=spec.spans
+        dim=spec.dim,
+        hidden=spec.hidden,
+        n_blocks=spec.n_blocks,
+        calls=spec.calls,
+        checkpoint_spans=spec.spans,
+        reentrant=spec.reentrant,
     )
     for i, block in enumerate(model.blocks):
         fully_shard(block, mesh=mesh, reshard_after_forward=i not in spec.keep_unsharded)
@@ -241,15 +257,24 @@ def run_schedule(
     step: int,
     *,
     loss_fn: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
+    before_op: Callable[[int], None] | None = None,
 ) -> list[float]:
-    """Microbatch forwards and backwards in ``schedule`` order; returns the losses by microbatch."""
+    """Microbatch forwards and backwards in ``schedule`` order; returns the losses by microbatch.
+
+    ``before_op(i)`` runs before op ``i`` and once more with ``len(schedule)`` after the last one
+    (where a test's interference goes).
+    """
     losses: dict[int, torch.Tensor] = {}
-    for op, mb in schedule:
+    for i, (op, mb) in enumerate(schedule):
+        if before_op is not None:
+            before_op(i)
         if op == "F":
             out = model(make_batch(spec, step, mb))
             losses[mb] = loss_fn(out, mb) if loss_fn is not None else out
         else:
             losses[mb].backward()
+    if before_op is not None:
+        before_op(len(schedule))
     return [losses[mb].item() for mb in sorted(losses)]
 
 

@@ -1,6 +1,13 @@
 """Property-based schedules: random models, call sequences and microbatch interleavings, every mode and
 prefetch depth 0-3, each bitwise equal to plain FSDP2 on the same 2-rank gloo world.
 
+Each example also draws interference, applied identically to plain FSDP2 and to every mode: the
+accumulation toggles (``set_reshard_after_backward`` / ``set_requires_gradient_sync`` /
+``set_is_last_backward``) per microbatch backward on the root or on one unit,
+``set_reshard_after_forward`` changed between steps, and ``unshard()`` / ``reshard()`` of units
+inside the scope. Losses, gradients, final parameters and the units left unsharded after each step
+must all equal plain FSDP2's.
+
 Hypothesis draws the examples in the parent (seeded, no database), so both ranks run the identical
 list in one process group; the launcher's per-example watchdog turns a hang into a failure that
 names the example. Rerun one example with ``FSDP_REPLAY_EXAMPLE='<repr printed in the failure>'``.
@@ -26,6 +33,7 @@ from reliability_harness import (
     build_model,
     gather_leaks,
     local_grads,
+    local_params,
     record_figures,
     run_examples,
     run_schedule,
@@ -61,6 +69,27 @@ class RunConfig:
 
 
 @dataclass(frozen=True)
+class Interference:
+    """What another party does to FSDP2 state; unit ``-1`` is the root, ``i`` is ``blocks[i]``."""
+
+    accumulate_on: int | None = None
+    """Before each backward: ``set_reshard_after_backward(is_last_backward_of_step)`` on this unit."""
+    toggle_sync: bool = False
+    """With ``accumulate_on``: also ``set_requires_gradient_sync`` the same way."""
+    toggle_last_backward: bool = False
+    """Before each backward: the root's ``set_is_last_backward(is_last_backward_of_step)``."""
+    reshard_after_forward: tuple[tuple[tuple[int, bool], ...], ...] = ()
+    """Per step, ``set_reshard_after_forward(value, recurse=False)`` calls made before the step."""
+    manual: tuple[tuple[int, int, str], ...] = ()
+    """``(op position, unit, "unshard" | "unshard_async" | "reshard")`` inside the scope, before that op."""
+
+    @property
+    def keeps_the_order_replayable(self) -> bool:
+        """Only accumulation toggles: every replayed demand still finds what recording saw (or more)."""
+        return not self.reshard_after_forward and not self.manual
+
+
+@dataclass(frozen=True)
 class ScheduleExample:
     model: ModelSpec
     schedule: Schedule
@@ -68,6 +97,7 @@ class ScheduleExample:
     """One ``sched.iteration("train")`` per step; else automatic scopes (root forward to end of backward)."""
     runs: tuple[RunConfig, ...]
     steps: int
+    interference: Interference = Interference()
 
 
 # --- generation -----------------------------------------------------------------------------------
@@ -85,6 +115,66 @@ def interleavings(draw, n_mb: int) -> Schedule:
             todo_b.append(mb)
         schedule.append((op, mb))
     return tuple(schedule)
+
+
+@st.composite
+def interferences(draw, n_blocks: int, n_ops: int) -> Interference:
+    """Half the examples run undisturbed; the rest draw each kind of interference independently."""
+    if draw(st.booleans()):
+        return Interference()
+    unit = st.integers(-1, n_blocks - 1)
+    accumulate_on = draw(st.one_of(st.none(), unit))
+    raf = draw(st.booleans())
+    return Interference(
+        accumulate_on=accumulate_on,
+        toggle_sync=accumulate_on is not None and draw(st.booleans()),
+        toggle_last_backward=draw(st.booleans()),
+        reshard_after_forward=tuple(
+            tuple(draw(st.lists(st.tuples(unit, st.booleans()), max_size=2))) for _ in range(PROFILE.steps)
+        )
+        if raf
+        else (),
+        manual=tuple(
+            draw(
+                st.lists(
+                    st.tuples(st.integers(1, n_ops), unit, st.sampled_from(["unshard", "unshard_async", "reshard"])),
+                    max_size=3,
+                )
+            )
+        ),
+    )
+
+
+def _unit_module(model, unit: int):
+    return model if unit == -1 else model.blocks[unit]
+
+
+def _interfere(model, ex: ScheduleExample, step: int):
+    """Applies ``ex.interference`` for one step; returns the ``before_op`` callback of that step."""
+    plan = ex.interference
+    for unit, value in plan.reshard_after_forward[step] if plan.reshard_after_forward else ():
+        _unit_module(model, unit).set_reshard_after_forward(value, recurse=False)
+    last_backward = max(i for i, (op, _) in enumerate(ex.schedule) if op == "B")
+
+    def before_op(i: int) -> None:
+        if i < len(ex.schedule) and ex.schedule[i][0] == "B":
+            last = i == last_backward
+            if plan.accumulate_on is not None:
+                target = _unit_module(model, plan.accumulate_on)
+                target.set_reshard_after_backward(last, recurse=plan.accumulate_on == -1)
+                if plan.toggle_sync:
+                    target.set_requires_gradient_sync(last, recurse=plan.accumulate_on == -1)
+            if plan.toggle_last_backward:
+                model.set_is_last_backward(last)
+        for position, unit, call in plan.manual:
+            if position == i:
+                module = _unit_module(model, unit)
+                if call == "reshard":
+                    module.reshard()
+                else:
+                    module.unshard(async_op=call == "unshard_async")
+
+    return before_op
 
 
 def _spans(labels: list[int]) -> tuple[tuple[int, int], ...]:
@@ -105,13 +195,18 @@ def schedule_examples(draw) -> ScheduleExample:
     labels = draw(st.lists(st.sampled_from([0, 0, 0, 1, 2]), min_size=len(calls), max_size=len(calls)))
     keep = draw(st.sets(st.integers(0, n_blocks - 1), max_size=2)) if draw(st.booleans()) else set()
     model = ModelSpec(n_blocks=n_blocks, calls=tuple(calls), spans=_spans(labels), keep_unsharded=tuple(sorted(keep)))
+    if model.spans and draw(st.booleans()):
+        model = replace(model, reentrant=True)
     schedule = draw(interleavings(draw(st.integers(1, 3))))
     explicit = draw(st.sampled_from([True, True, False]))
+    interference = draw(interferences(n_blocks, len(schedule)))
     runs = tuple(
         RunConfig(mode, draw(st.integers(0, 3)), draw(st.integers(0, 3)), draw(st.sampled_from(BYTE_CAPS)))
         for mode in MODES
     )
-    return ScheduleExample(model=model, schedule=schedule, explicit=explicit, runs=runs, steps=PROFILE.steps)
+    return ScheduleExample(
+        model=model, schedule=schedule, explicit=explicit, runs=runs, steps=PROFILE.steps, interference=interference
+    )
 
 
 def draw_examples(n: int) -> list[ScheduleExample]:
@@ -147,11 +242,12 @@ def _train(mesh, ex: ScheduleExample, run: RunConfig | None) -> dict:
     steps = []
     for step in range(ex.steps):
         before = sched.stats.as_dict() if sched else {}
+        before_op = _interfere(model, ex, step)
         if sched is not None and ex.explicit:
             with sched.iteration("train"):
-                losses = run_schedule(model, ex.model, ex.schedule, step)
+                losses = run_schedule(model, ex.model, ex.schedule, step, before_op=before_op)
         else:
-            losses = run_schedule(model, ex.model, ex.schedule, step)
+            losses = run_schedule(model, ex.model, ex.schedule, step, before_op=before_op)
         steps.append(
             {
                 "losses": losses,
@@ -166,17 +262,21 @@ def _train(mesh, ex: ScheduleExample, run: RunConfig | None) -> dict:
         opt.step()
         opt.zero_grad()
     observer.remove()
-    return {"steps": steps}
+    return {"steps": steps, "params": local_params(model)}
 
 
-def _allowed_miss(ex: ScheduleExample, run: RunConfig, order: list[tuple[str, str]], position: int) -> bool:
+def _allowed_miss(
+    ex: ScheduleExample, run: RunConfig, order: list[tuple[str, str]], position: int, stale: set[str]
+) -> bool:
     """A replayed demand may miss only where the window had no room for it by configuration.
 
     Refills use the depth of the phase the cursor is heading into (the next entry's), so entry
     ``i`` misses by design only when its own phase has depth 0, or under a byte cap. An automatic
-    scope opens at the root's pre-forward, after the observer saw its first demand.
+    scope opens at the root's pre-forward, after the observer saw its first demand. A unit that
+    FSDP2 itself left unsharded across the last step (``stale``) holds pre-step values: it is
+    not kept from that use, so its next use gathers again, as in plain FSDP2.
     """
-    if run.max_prefetch_bytes is not None or (position == 0 and not ex.explicit):
+    if run.max_prefetch_bytes is not None or (position == 0 and not ex.explicit) or order[position][0] in stale:
         return True
     return (run.forward_prefetch if order[position][1] == "forward" else run.backward_prefetch) == 0
 
@@ -189,20 +289,27 @@ def _check(ex: ScheduleExample, plain: dict, run: RunConfig, got: dict) -> list[
             problems.append(f"{where}: losses {g['losses']} != plain {p['losses']}")
         if not same_tensors(p["grads"], g["grads"]):
             problems.append(f"{where}: gradients differ from plain FSDP2")
-        problems += [f"{where}: after the scope: {leak}" for leak in g["leaks"]]
+        if g["leaks"] != p["leaks"]:
+            problems.append(f"{where}: held after the scope {g['leaks']}, plain FSDP2 {p['leaks']}")
         problems += [f"{where}: {c}" for c in g["consistency"]]
         s = g["stats"]
-        if run.mode == "demand" and (s["prefetches"] or s["hits"]):
+        user_gathers = sum(call == "unshard_async" for _, _, call in ex.interference.manual)  # found as hits
+        if run.mode == "demand" and (s["prefetches"] or s["hits"] > user_gathers):
             problems.append(f"{where}: demand mode prefetched: {s}")
         if run.mode != "record_and_replay" and (s["recordings"] or s["divergences"]):
             problems.append(f"{where}: {run.mode} mode recorded or diverged: {s}")
+    if not same_tensors(plain["params"], got["params"]):
+        problems.append(f"{run.label()}: final parameters differ from plain FSDP2")
     if run.mode == "record_and_replay":
         problems += _check_replay(ex, run, got)
     return problems
 
 
 def _replays_cleanly(ex: ScheduleExample) -> bool:
-    """Schedules whose scopes each see the same demands: explicit scopes, or one F/B pair per scope."""
+    """Schedules whose scopes each see the same demands: explicit scopes, or one F/B pair per scope,
+    and no interference that makes a replayed unit need a gather its recording did not."""
+    if not ex.interference.keeps_the_order_replayable:
+        return False
     if ex.explicit:
         return True
     return all(ex.schedule[i] == ("F", ex.schedule[i + 1][1]) for i in range(0, len(ex.schedule), 2)) and all(
@@ -236,9 +343,10 @@ def _check_replay(ex: ScheduleExample, run: RunConfig, got: dict) -> list[str]:
             problems.append(f"{where}: observed demands {observed} differ from the recorded order {order}")
             continue
         # Scopes after the first of step 0 replay: every miss there must be one the config allows.
+        stale = {leak.split(":")[0] for leak in steps[step - 1]["leaks"]} if step else set()
         for scope in range(scopes_per_step - replayed_scopes, scopes_per_step):
             for i, (fqn, phase, kind) in enumerate(observed[scope * len(order) : (scope + 1) * len(order)]):
-                if kind == "miss" and not _allowed_miss(ex, run, order, i):
+                if kind == "miss" and not _allowed_miss(ex, run, order, i, stale):
                     problems.append(f"{where}: replayed demand {i} {(fqn, phase)} missed; order {order}")
     return problems
 
@@ -246,7 +354,7 @@ def _check_replay(ex: ScheduleExample, run: RunConfig, got: dict) -> list[str]:
 def _run_example(mesh, ex: ScheduleExample) -> dict:
     started = time.perf_counter()
     plain = _train(mesh, ex, None)
-    problems = [f"plain step {i}: {leak}" for i, s in enumerate(plain["steps"]) for leak in s["leaks"]]
+    problems = []
     demands = Counter()
     for run in ex.runs:
         got = _train(mesh, ex, run)
@@ -293,6 +401,13 @@ def test_random_schedules_are_bitwise_equal_to_plain_fsdp2_and_replay_their_orde
             "repeated_units": sum(len(set(ex.model.calls)) < len(ex.model.calls) for ex in examples),
             "out_of_order": sum(list(ex.model.calls) != sorted(ex.model.calls) for ex in examples),
             "automatic_scopes": sum(not ex.explicit for ex in examples),
+            "reentrant": sum(ex.model.reentrant for ex in examples),
+            "interference": {
+                "accumulation_toggles": sum(ex.interference.accumulate_on is not None for ex in examples),
+                "is_last_backward_toggles": sum(ex.interference.toggle_last_backward for ex in examples),
+                "reshard_after_forward_changes": sum(bool(ex.interference.reshard_after_forward) for ex in examples),
+                "manual_unshard_reshard": sum(bool(ex.interference.manual) for ex in examples),
+            },
             "depth_pairs_rr": len({(ex.runs[0].forward_prefetch, ex.runs[0].backward_prefetch) for ex in examples}),
             "demands": dict(totals),
             "seconds": round(elapsed, 1),
