@@ -21,7 +21,6 @@ CACHE="${FSDP_REPLAY_VENV_CACHE:-$HOME/.cache/fsdp_replay/venvs}"
 SMOKE_K="${FSDP_REPLAY_MATRIX_K:-not slow}"
 # The highest torch release the machine's pip constraints allow; above it the constraint is lifted.
 CONSTRAINT_CAP="${FSDP_REPLAY_TORCH_CAP:-2.14.1}"
-TEST_DEPS=(numpy "pytest>=8" "hypothesis>=6" "hydra-core>=1.3,<1.4" tqdm)
 
 releases=()
 while [ $# -gt 0 ]; do
@@ -56,32 +55,23 @@ run_release() {
     python3 -m venv "$venv" || die "python3 -m venv $venv failed"
   fi
   # "2.15" means the newest 2.15.x; "2.15.0" exactly that release.
-  local spec="torch==$release" have
+  local spec="torch==$release" have env_prefix=()
   [[ "$release" =~ ^[0-9]+\.[0-9]+$ ]] && spec="torch==$release.*"
+  if version_gt "$release" "$CONSTRAINT_CAP"; then
+    env_prefix=(env PIP_CONSTRAINT=/dev/null)
+  fi
   have=$("$venv/bin/python" -c "import torch; print(torch.__version__)" 2>/dev/null || true)
   if ! is_release "$have" "$release"; then
     echo "--- installing $spec (found: ${have:-none})"
-    local env_prefix=()
-    if version_gt "$release" "$CONSTRAINT_CAP"; then
-      env_prefix=(env PIP_CONSTRAINT=/dev/null)
-    fi
     "${env_prefix[@]}" "$venv/bin/pip" install -q "$spec" numpy \
       || die "pip could not install $spec into $venv (see pip's message above)"
     have=$("$venv/bin/python" -c "import torch; print(torch.__version__)" 2>/dev/null) \
       || die "$spec installed but 'import torch' fails in $venv"
   fi
   is_release "$have" "$release" || die "$venv has torch ${have:-none}, not the requested $release"
-  # Test dependencies do not depend on torch, so the constraints file may stay in force here.
-  "$venv/bin/python" -c "import numpy, pytest, hypothesis, hydra, tqdm" 2>/dev/null \
-    || "$venv/bin/pip" install -q "${TEST_DEPS[@]}" || die "installing test dependencies into $venv failed"
-  # --no-deps: the package's own torch pin must never replace the torch under test. A venv shared by
-  # several clones points at the one installed last: re-install when it is not this one.
-  local installed_from
-  # (from /, so that the clone in the current directory does not shadow what the venv has installed)
-  installed_from=$(cd / && "$venv/bin/python" -c "import fsdp_replay, os; print(os.path.dirname(os.path.dirname(os.path.realpath(fsdp_replay.__file__))))" 2>/dev/null || true)
-  if [ "$installed_from" != "$(realpath "$REPO")" ]; then
-    "$venv/bin/pip" install -q --no-deps -e "$REPO" || die "pip install --no-deps -e $REPO failed"
-  fi
+  # What a user with this torch runs: the package and its test extra, with its own torch range. It
+  # must keep the installed torch (checked below), never replace it.
+  "${env_prefix[@]}" "$venv/bin/pip" install -q -e "$REPO[test]" || die "pip install -e $REPO[test] failed"
   have=$("$venv/bin/python" -c "import torch; print(torch.__version__)") || die "import torch fails after installing the package"
   is_release "$have" "$release" || die "installing the package changed torch to $have"
   t1=$(now)
