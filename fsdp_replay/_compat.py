@@ -15,7 +15,7 @@ import logging
 import os
 import warnings
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Literal
 
 import torch
 import torch.nn as nn
@@ -322,14 +322,18 @@ def release(state: Any) -> None:
 # would leave it.
 
 
+OtherPartyCall = Literal["reshard", "unshard", "reset"]
+"""A call on a unit's FSDP2 state made by someone other than FSDP2's lifecycle or the scheduler."""
+
+
 def intercept_group_calls(
-    state: Any, *, skip_lifecycle_reshard: Callable[[], bool], on_other_party: Callable[[], None]
+    state: Any, *, skip_lifecycle_reshard: Callable[[], bool], on_other_party: Callable[[OtherPartyCall], None]
 ) -> bool:
     """Shadow FSDP2's per-group lifecycle methods with instance attributes that report to the scheduler.
 
     ``skip_lifecycle_reshard()`` is asked when FSDP2's own post-forward or post-backward is about
     to reshard the group (only where its current settings make that a real reshard); True skips
-    it. ``on_other_party()`` is told of every ``reshard``, ``unshard`` or ``_reset_iter_state``
+    it. ``on_other_party(call)`` is told of every ``reshard``, ``unshard`` or ``_reset_iter_state``
     that is neither FSDP2's forward/backward lifecycle nor the scheduler's own (which calls the
     class methods directly). See [Note: fsdp_replay never owns FSDP2's settings].
     False where FSDP2's internals are not available.
@@ -345,7 +349,10 @@ _INTERCEPTED = ("post_forward", "post_backward", "reshard", "unshard", "_reset_i
 
 
 def _intercept_group(
-    state: Any, group: Any, skip_lifecycle_reshard: Callable[[], bool], on_other_party: Callable[[], None]
+    state: Any,
+    group: Any,
+    skip_lifecycle_reshard: Callable[[], bool],
+    on_other_party: Callable[[OtherPartyCall], None],
 ) -> None:
     fsdp = {name: getattr(group, name) for name in _INTERCEPTED}
     in_lifecycle = [False]  # inside FSDP2's post_forward/post_backward of this group
@@ -368,18 +375,18 @@ def _intercept_group(
             if real and skip_lifecycle_reshard():
                 return
         else:
-            on_other_party()
+            on_other_party("reshard")
         fsdp["reshard"]()
 
     def unshard(async_op: bool = False) -> None:
         # FSDP2's own unshards come from pre-forward, pre-backward and recompute, when the unit's
         # state is FORWARD or PRE_BACKWARD; from an idle unit it is someone else's call.
         if state._training_state is TrainingState.IDLE:
-            on_other_party()
+            on_other_party("unshard")
         fsdp["unshard"](async_op)
 
     def reset_iter_state() -> None:
-        on_other_party()
+        on_other_party("reset")
         fsdp["_reset_iter_state"]()
 
     group.post_forward, group.post_backward = lifecycle("post_forward"), lifecycle("post_backward")

@@ -248,10 +248,18 @@ class PrefetchScheduler:
             self.stats.count(self._scope.key if self._scope is not None else None, "kept")
         return True
 
-    def on_other_party(self, unit: Unit) -> None:
-        """Someone else resharded, unsharded or reset ``unit``: it is theirs now, not the window's."""
-        if self._window.take(unit) is not None:
-            self.stats.count(self._scope.key if self._scope is not None else None, "dropped")
+    def on_other_party(self, unit: Unit, call: _compat.OtherPartyCall) -> None:
+        """Someone else resharded, unsharded or reset ``unit``: it is theirs now, not the window's.
+
+        FSDP2's ``reshard()`` leaves a pending gather pending; after theirs, plain FSDP2 would have
+        none, so the scheduler's own prefetch is finished and freed first.
+        """
+        held = self._window.take(unit)
+        if held is None:
+            return
+        if held is Held.prefetched and call == "reshard":
+            _compat.release(unit.state)
+        self.stats.count(self._scope.key if self._scope is not None else None, "dropped")
 
     def on_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         if not self._steps_our_params(optimizer):

@@ -94,3 +94,44 @@ def test_a_forward_only_scope_releases_the_unit_kept_for_its_backward(mesh8):
     assert sched.stats.kept == 1 and sched.stats.divergences == 1
     _assert_all_sharded_with_settings_restored(model)
 
+
+
+def test_a_users_reshard_and_unshard_of_held_units_hand_them_over_cleanly(mesh8):
+    """blocks.1 and blocks.2 are prefetched when blocks.0 runs; the user then reshards one and
+    unshards the other by hand: both leave the window (bytes too), the reshard also frees the
+    scheduler's pending gather (plain FSDP2 would have none after it), and counters match the observer."""
+    w = workload("sequential")
+    model = w.make_model().shard(mesh8)
+    sched = attach(model, PrefetchConfig(forward_prefetch=2))
+    with sched.iteration("train"):
+        run_iteration(model, w, 0)  # recording
+    observer = DemandObserver(model)
+    seen = {}
+
+    def interfere(module, args):
+        window = sched._window
+        units = {u.fqn: u for u in sched.units}
+        seen["before"] = (window.holds(units["blocks.1"]), window.holds(units["blocks.2"]))
+        model.blocks[1].reshard()
+        model.blocks[2].unshard()
+        held = [*window._prefetched, *window._kept]
+        seen["after"] = (window.holds(units["blocks.1"]), window.holds(units["blocks.2"]))
+        seen["bytes"] = (window.bytes_ahead, sum(u.unsharded_bytes for u in held))
+        seen["blocks.1"] = [(g._all_gather_result is None, g.is_sharded) for g in _groups(model.blocks[1])]
+
+    handle = model.blocks[0].register_forward_pre_hook(interfere)  # runs after FSDP2's pre-forward
+    before = sched.stats.as_dict()
+    with sched.iteration("train"):
+        run_iteration(model, w, 1)
+    handle.remove()
+    stats = {k: v - before[k] for k, v in sched.stats.as_dict().items()}
+    log = observer.take()
+    assert seen["before"][0] is not None and seen["before"][1] is not None
+    assert seen["after"] == (None, None) and seen["bytes"][0] == seen["bytes"][1]
+    assert seen["blocks.1"] == [(True, True)]
+    assert stats["dropped"] == 2 and stats["wasted"] == 0 and stats["divergences"] == 0
+    observed = DemandObserver.counts(log)
+    assert (stats["hits"], stats["misses"], stats["resident"]) == (
+        observed.get("hit", 0), observed.get("miss", 0), observed.get("resident", 0)
+    )
+    assert ("blocks.1", "forward", "miss") in log and ("blocks.2", "forward", "resident") in log
