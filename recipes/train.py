@@ -26,12 +26,12 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from checkpoint import load_checkpoint, save_checkpoint
 from fsdp_replay import PrefetchScheduler, fully_shard, scheduler_of
 from fsdp_replay.hydra import MicrobatchSchedule, TrainJobConfig, quiet_nonzero_ranks, register_configs, to_job_config
-from llama import Transformer
-from report import RunReport, stats_delta
-from tokens import Split, TokenData, load_tokens
+from train_lib.checkpoint import load_checkpoint, save_checkpoint
+from train_lib.llama import Transformer
+from train_lib.report import RunReport, stats_delta
+from train_lib.tokens import Split, TokenData, load_tokens
 
 log = logging.getLogger("train")
 
