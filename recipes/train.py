@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import hydra
@@ -51,8 +52,17 @@ def microbatch_schedule(n: int, schedule: MicrobatchSchedule) -> list[tuple[Pass
     return passes + [(Pass.backward, n - 1)]
 
 
-def init_distributed() -> tuple[torch.device, DeviceMesh]:
-    """CUDA + NCCL when a GPU is present, else CPU + gloo with a CPU device mesh."""
+@contextlib.contextmanager
+def distributed() -> Iterator[tuple[torch.device, DeviceMesh]]:
+    """CUDA + NCCL when a GPU is present, else CPU + gloo with a CPU device mesh; torn down on exit.
+
+    .. note::
+        The group is destroyed only after a barrier: on gloo, a rank that destroys its group
+        right after the last collective can abort a peer whose side of that collective is still
+        completing (``terminate called without an active exception``, SIGABRT after the summary).
+        The barrier is skipped when the run raised, so a failed rank never waits for peers that
+        are not coming; torchrun stops them.
+    """
     if torch.cuda.is_available():
         device, backend = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))), "nccl"
         torch.cuda.set_device(device)
@@ -63,7 +73,11 @@ def init_distributed() -> tuple[torch.device, DeviceMesh]:
     else:
         # Plain `python recipes/train.py`: a world of one needs no rendezvous.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    return device, init_device_mesh(device.type, (dist.get_world_size(),))
+    try:
+        yield device, init_device_mesh(device.type, (dist.get_world_size(),))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
 
 
 def build_model(job: TrainJobConfig, *, mesh: DeviceMesh, device: torch.device) -> Transformer:
@@ -155,50 +169,49 @@ def main(cfg: DictConfig) -> None:
         remove_if_only_hydra_files(Path(HydraConfig.get().runtime.output_dir))
         raise SystemExit(f"recipes/train.py: invalid config: {err}") from None
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    device, mesh = init_distributed()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    model = build_model(job, mesh=mesh, device=device)
-    sched = scheduler_of(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=job.train.lr)
-    start_step = 0
-    if job.train.resume_from is not None:
-        start_step = load_checkpoint(Path(job.train.resume_from), model=model, optimizer=optimizer, sched=sched)
-    log.info(
-        "%s model, %.2fM params, %d rank(s) on %s (%s), prefetch %s, data: %s, run dir %s%s",
-        job.model.name, sum(p.numel() for p in model.parameters()) / 1e6, world, device.type,
-        dist.get_backend(), job.prefetch.mode.name, data.source, run_dir,
-        f", resumed at step {start_step}" if start_step else "",
-    )
-    report = RunReport(
-        run_dir=run_dir, enabled=rank == 0, mode=job.prefetch.mode.name, start_step=start_step,
-        steps=job.train.steps,
-        tokens_per_step=job.train.batch_size * job.train.microbatches * job.train.seq_len * world,
-    )
+    with distributed() as (device, mesh):
+        rank, world = dist.get_rank(), dist.get_world_size()
+        model = build_model(job, mesh=mesh, device=device)
+        sched = scheduler_of(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=job.train.lr)
+        start_step = 0
+        if job.train.resume_from is not None:
+            start_step = load_checkpoint(Path(job.train.resume_from), model=model, optimizer=optimizer, sched=sched)
+        log.info(
+            "%s model, %.2fM params, %d rank(s) on %s (%s), prefetch %s, data: %s, run dir %s%s",
+            job.model.name, sum(p.numel() for p in model.parameters()) / 1e6, world, device.type,
+            dist.get_backend(), job.prefetch.mode.name, data.source, run_dir,
+            f", resumed at step {start_step}" if start_step else "",
+        )
+        report = RunReport(
+            run_dir=run_dir, enabled=rank == 0, mode=job.prefetch.mode.name, start_step=start_step,
+            steps=job.train.steps,
+            tokens_per_step=job.train.batch_size * job.train.microbatches * job.train.seq_len * world,
+        )
 
-    # --- train: one sched.iteration() per optimizer step, optimizer.step() after it ----------
-    for step in range(start_step + 1, job.train.steps + 1):
-        before = sched.stats.as_dict()
-        start = time.perf_counter()
-        with sched.iteration(key="train"):
-            loss = train_step(model, data, job, step=step, device=device)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        loss_value = global_mean(loss)
-        seconds = time.perf_counter() - start
-        step_stats = stats_delta(sched.stats.as_dict(), before)
-        eval_loss = None
-        if job.train.eval_every and step % job.train.eval_every == 0:
-            eval_loss = evaluate(model, sched, data, batches=job.train.eval_batches, step=step, device=device)
-        if job.train.save_every and step % job.train.save_every == 0:
-            path = run_dir / "checkpoints" / f"step_{step}"
-            save_checkpoint(path, model=model, optimizer=optimizer, sched=sched, step=step)
-        report.step(step, loss=loss_value, seconds=seconds, stats=step_stats, eval_loss=eval_loss)
+        # --- train: one sched.iteration() per optimizer step, optimizer.step() after it ------
+        for step in range(start_step + 1, job.train.steps + 1):
+            before = sched.stats.as_dict()
+            start = time.perf_counter()
+            with sched.iteration(key="train"):
+                loss = train_step(model, data, job, step=step, device=device)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            loss_value = global_mean(loss)
+            seconds = time.perf_counter() - start
+            step_stats = stats_delta(sched.stats.as_dict(), before)
+            eval_loss = None
+            if job.train.eval_every and step % job.train.eval_every == 0:
+                eval_loss = evaluate(model, sched, data, batches=job.train.eval_batches, step=step, device=device)
+            if job.train.save_every and step % job.train.save_every == 0:
+                path = run_dir / "checkpoints" / f"step_{step}"
+                save_checkpoint(path, model=model, optimizer=optimizer, sched=sched, step=step)
+            report.step(step, loss=loss_value, seconds=seconds, stats=step_stats, eval_loss=eval_loss)
 
-    # --- cleanup ------------------------------------------------------------------------------
-    summary = report.finish(sched, device=device)
-    if rank == 0:
-        log.info("summary\n%s", summary)
-    dist.destroy_process_group()
+        # --- cleanup: the summary; leaving `distributed()` tears the process group down ------
+        summary = report.finish(sched, device=device)
+        if rank == 0:
+            log.info("summary\n%s", summary)
 
 
 if __name__ == "__main__":
