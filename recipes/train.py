@@ -15,6 +15,7 @@ import enum
 import logging
 import os
 import shutil
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,8 +24,12 @@ import hydra
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp_replay import PrefetchScheduler, fully_shard, scheduler_of
@@ -35,6 +40,10 @@ from train_lib.report import RunReport, stats_delta
 from train_lib.tokens import Split, TokenData, load_tokens
 
 log = logging.getLogger("train")
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+CONFIG_NAME = "train"
+VALIDATE_ONLY = "--validate-only"
 
 
 class Pass(enum.Enum):
@@ -142,11 +151,56 @@ def evaluate(
     return global_mean(total / batches)
 
 
-def remove_if_only_hydra_files(run_dir: Path) -> None:
-    """Hydra creates the run directory before the config is validated; a rejected run leaves none.
+def load_job(cfg: DictConfig) -> tuple[TrainJobConfig, TokenData]:
+    """The validated config and its token data; raises ``ValueError`` naming the field at fault."""
+    job = to_job_config(cfg)
+    data = load_tokens(
+        job.data, vocab_size=job.model.vocab_size, seq_len=job.train.seq_len,
+        batch_size=job.train.batch_size, seed=job.train.seed,
+    )
+    return job, data
 
-    Only a directory holding nothing but Hydra's own files (``.hydra/``, an empty ``train.log``)
-    is removed, so an earlier run's metrics or checkpoints are never touched.
+
+def config_error(overrides: list[str]) -> str | None:
+    """Why the command line's config would be rejected, or None; composes in this process only.
+
+    Runs before ``@hydra.main``, which makes the run directory before ``main()`` can validate, and
+    before any process group, so a rejected run leaves nothing behind. Hydra's own flags
+    (``--cfg``, ``-m``, ...) are left to Hydra, and ``main()`` validates again.
+    """
+    if any(arg.startswith("-") for arg in overrides):
+        return None
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            load_job(compose(CONFIG_NAME, overrides=overrides))
+    except MissingConfigException as err:
+        return unknown_option(err)
+    except (HydraException, OmegaConfBaseException, ValueError) as err:
+        # Hydra says which override failed; its cause (OmegaConf's) says why, naming the field.
+        return "\n".join(str(e) for e in (err, err.__cause__) if e is not None)
+    return None
+
+
+def unknown_option(err: MissingConfigException) -> str:
+    """``prefetch=typo``: name the group's options, leaving out the schemas the YAML files extend.
+
+    ``register_configs()`` stores each group's schema (``base_prefetch``) in that group, so Hydra
+    lists it among the choices although selecting it gives a config with no mode of its own.
+    """
+    if not err.options or not err.missing_cfg_file:
+        return str(err)
+    group, _, name = err.missing_cfg_file.rpartition("/")
+    schemas = {stored.removesuffix(".yaml") for stored in ConfigStore.instance().list(group)}
+    options = [option for option in err.options if option not in schemas]
+    return f"{group}={name}: no such option; {group} takes one of {', '.join(options)} (configs/{group}/)"
+
+
+def remove_if_only_hydra_files(run_dir: Path) -> None:
+    """Hydra creates the run directory before ``main()`` validates; a rejected run leaves none.
+
+    Only reached when :func:`config_error` could not check first (Hydra flags on the command
+    line). Only a directory holding nothing but Hydra's own files (``.hydra/``, an empty
+    ``train.log``) is removed, so an earlier run's metrics or checkpoints are never touched.
     """
     entries = {p.name for p in run_dir.iterdir()} if run_dir.is_dir() else set()
     log_file = run_dir / "train.log"
@@ -156,15 +210,11 @@ def remove_if_only_hydra_files(run_dir: Path) -> None:
             run_dir.parent.rmdir()  # outputs/ too, if this run made it and nothing else is there
 
 
-@hydra.main(config_path="../configs", config_name="train", version_base="1.3")
+@hydra.main(config_path="../configs", config_name=CONFIG_NAME, version_base="1.3")
 def main(cfg: DictConfig) -> None:
     # --- setup: config and data errors surface here, before any process group exists ---------
     try:
-        job = to_job_config(cfg)
-        data = load_tokens(
-            job.data, vocab_size=job.model.vocab_size, seq_len=job.train.seq_len,
-            batch_size=job.train.batch_size, seed=job.train.seed,
-        )
+        job, data = load_job(cfg)
     except ValueError as err:
         remove_if_only_hydra_files(Path(HydraConfig.get().runtime.output_dir))
         raise SystemExit(f"recipes/train.py: invalid config: {err}") from None
@@ -216,5 +266,15 @@ def main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     register_configs()
+    # `python recipes/train.py --validate-only [overrides]`: check in one process, start nothing
+    # (scripts/dev.sh does this before torchrun, so a bad override is not reported once per rank).
+    validate_only = sys.argv[1:2] == [VALIDATE_ONLY]
+    if validate_only:
+        del sys.argv[1]
+    if (error := config_error(sys.argv[1:])) is not None:
+        # Every rank finds the same error: rank 0 reports it, the others just fail.
+        raise SystemExit(f"recipes/train.py: invalid config: {error}" if os.environ.get("RANK", "0") == "0" else 1)
+    if validate_only:
+        raise SystemExit(0)
     quiet_nonzero_ranks()
     main()

@@ -18,7 +18,11 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 command="${1:-}"
 shift || true
 case "$command" in
-  train) exec .venv/bin/torchrun --standalone --nproc-per-node 2 recipes/train.py "$@" ;;
+  train)
+    # One process checks the overrides first: a bad value is reported once, not by every rank
+    # and then again inside torchrun's ChildFailedError traceback.
+    .venv/bin/python recipes/train.py --validate-only "$@"
+    exec .venv/bin/torchrun --standalone --nproc-per-node 2 recipes/train.py "$@" ;;
   test) exec .venv/bin/python -m pytest -q "$@" ;;
   *) echo "usage: bash scripts/dev.sh {train|test} [args...]" >&2; exit 2 ;;
 esac

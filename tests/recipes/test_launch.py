@@ -1,16 +1,17 @@
-"""recipes/train.py as a user launches it, again and again: every launch exits 0.
+"""recipes/train.py as a user launches it, again and again, directly and through scripts/dev.sh.
 
 The short runs are launched from a temporary working directory with Hydra's default run folder,
-as a user's ``torchrun ... recipes/train.py`` is. About 1 minute on 2 CPU cores.
+as a user's ``torchrun ... recipes/train.py`` is. About 2 minutes on 2 CPU cores.
 """
 
 from __future__ import annotations
 
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from recipe_runs import launch
+from recipe_runs import REPO, TIMEOUT_S, cpu_env, launch
 
 SHORT = ("train.steps=4", "train.eval_every=0")
 """The short run of the exit-code trials: over in seconds, so teardown follows the last collective."""
@@ -28,3 +29,34 @@ def test_every_short_run_exits_zero(short_runs: tuple[Path, list[subprocess.Comp
     _, procs = short_runs
     failed = [f"exit {p.returncode}:\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}" for p in procs if p.returncode != 0]
     assert not failed, "\n\n".join(failed)
+
+
+needs_repo_venv = pytest.mark.skipif(
+    Path(sys.prefix).resolve() != (REPO / ".venv").resolve(),
+    reason="scripts/dev.sh installs into the checkout's .venv; its tests run only from that interpreter",
+)
+
+
+def dev_sh(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["bash", str(REPO / "scripts" / "dev.sh"), *args],
+        env=cpu_env(), capture_output=True, text=True, timeout=TIMEOUT_S,
+    )
+
+
+@needs_repo_venv
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("prefetch.forward_prefetch=-1", "PrefetchConfig.forward_prefetch must be an integer >= 0"),
+        ("prefetch=fats", "prefetch takes one of demand, record_and_replay, static (configs/prefetch/)"),
+    ],
+)
+def test_dev_sh_reports_a_bad_override_once_and_nothing_else(override: str, message: str) -> None:
+    proc = dev_sh("train", override)
+    output = (proc.stdout + proc.stderr).strip()
+    assert proc.returncode != 0
+    assert output.count(message) == 1, output
+    assert output.startswith("recipes/train.py: invalid config:"), output
+    assert "Traceback" not in output and "ChildFailedError" not in output, output
+    assert "base_prefetch" not in output

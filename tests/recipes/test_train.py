@@ -168,15 +168,18 @@ def test_text_file_data_trains_on_its_bytes_in_a_world_of_one(
     [
         ("prefetch.forward_prefetch=-1", "PrefetchConfig.forward_prefetch must be an integer >= 0", 2),
         ("prefetch.mode=fast", "expected one of [static, record_and_replay, demand]", None),
+        ("prefetch=fats", "prefetch=fats: no such option; prefetch takes one of demand, record_and_replay, static", None),
         ("data.path=/no/such/corpus.txt", "DataConfig.path: no such file '/no/such/corpus.txt'", None),
     ],
 )
-def test_bad_value_fails_before_any_process_group(
+def test_bad_value_fails_once_before_any_process_group_leaving_no_run_folder(
     override: str, message: str, nproc: int | None, tmp_path: Path
 ) -> None:
-    proc = launch(override, f"hydra.run.dir={tmp_path}", nproc=nproc)
+    run_dir = tmp_path / "run"
+    proc = launch(override, f"hydra.run.dir={run_dir}", nproc=nproc)
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0
-    assert message in output
+    assert output.count(message) == 1, output  # rank 0 reports, the other ranks only fail
+    assert "base_prefetch" not in output  # a schema, not an option
     assert "rank(s) on" not in output  # the first line logged after init_process_group
-    assert not (tmp_path / "metrics.jsonl").exists()
+    assert not run_dir.exists()
