@@ -60,3 +60,22 @@ def test_dev_sh_reports_a_bad_override_once_and_nothing_else(override: str, mess
     assert output.startswith("recipes/train.py: invalid config:"), output
     assert "Traceback" not in output and "ChildFailedError" not in output, output
     assert "base_prefetch" not in output
+
+
+@needs_repo_venv
+def test_dev_sh_runs_the_number_of_ranks_given_by_nproc(tmp_path: Path) -> None:
+    proc = dev_sh("train", "--nproc", "3", *SHORT, f"hydra.run.dir={tmp_path}")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert " 3 rank(s) on cpu (gloo)" in (tmp_path / "train.log").read_text()
+
+
+@needs_repo_venv
+def test_dev_sh_repeat_call_neither_installs_nor_imports() -> None:
+    dev_sh()  # brings .venv up to date if pyproject.toml changed since the last call
+    # bash -x traces every command dev.sh runs; the usage path stops right after set-up.
+    proc = subprocess.run(
+        ["bash", "-x", str(REPO / "scripts" / "dev.sh")], env=cpu_env(), capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 2 and "usage: bash scripts/dev.sh" in proc.stderr
+    ran = [line.lstrip("+ ") for line in proc.stderr.splitlines() if line.startswith("+")]
+    assert not [command for command in ran if command.startswith((".venv/bin/", "python"))], ran
