@@ -4,8 +4,9 @@
     torchrun --standalone --nproc-per-node 2 recipes/train.py prefetch=demand model=small train.steps=50
 
 CUDA + NCCL when a GPU is present, else CPU + gloo; ``python recipes/train.py`` runs a world of one.
-Outputs go to ``outputs/<train.run_name>/``: ``metrics.jsonl`` (one line per step),
-``summary.json``, Hydra's ``train.log`` and ``.hydra/``, and ``checkpoints/step_N`` when saving.
+Each run gets its own folder, ``outputs/<train.run_name>/<date>_<time>/`` (``outputs/latest`` points
+at the last one): ``metrics.jsonl`` (one line per step), ``summary.json``, Hydra's ``train.log``
+and ``.hydra/``, and ``checkpoints/step_N`` when saving.
 """
 
 from __future__ import annotations
@@ -206,8 +207,34 @@ def remove_if_only_hydra_files(run_dir: Path) -> None:
     log_file = run_dir / "train.log"
     if entries <= {".hydra", "train.log"} and (not log_file.exists() or log_file.stat().st_size == 0):
         shutil.rmtree(run_dir, ignore_errors=True)
-        with contextlib.suppress(OSError):
-            run_dir.parent.rmdir()  # outputs/ too, if this run made it and nothing else is there
+        # outputs/<run_name>/ and outputs/ too, if this run made them and nothing else is there
+        for parent in run_dir.parents:
+            if parent == Path.cwd() or not parent.is_relative_to(Path.cwd()):
+                break
+            with contextlib.suppress(OSError):
+                parent.rmdir()
+
+
+def shared_run_dir(run_dir: Path) -> Path:
+    """Rank 0's run folder, on every rank.
+
+    The default folder is time-stamped, and each rank's Hydra would read its own clock, so only
+    rank 0's Hydra makes one (the other ranks run Hydra in ``.``, see ``__main__``); the others
+    need it for their checkpoint shards.
+    """
+    picked = [str(run_dir)]
+    dist.broadcast_object_list(picked, src=0)
+    return Path(picked[0])
+
+
+def link_latest(run_dir: Path) -> None:
+    """Point ``outputs/latest`` at this run when its folder is under ``outputs/`` (the default)."""
+    outputs = Path("outputs").resolve()
+    if not run_dir.resolve().is_relative_to(outputs):
+        return  # an explicit hydra.run.dir elsewhere: the run is not one of outputs/
+    staged = outputs / f".latest.{os.getpid()}"
+    staged.symlink_to(run_dir.resolve().relative_to(outputs))
+    staged.replace(outputs / "latest")  # a rename: a reader never finds the link missing
 
 
 @hydra.main(config_path="../configs", config_name=CONFIG_NAME, version_base="1.3")
@@ -221,6 +248,9 @@ def main(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     with distributed() as (device, mesh):
         rank, world = dist.get_rank(), dist.get_world_size()
+        run_dir = shared_run_dir(run_dir)
+        if rank == 0:
+            link_latest(run_dir)
         model = build_model(job, mesh=mesh, device=device)
         sched = scheduler_of(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=job.train.lr)
@@ -277,4 +307,6 @@ if __name__ == "__main__":
     if validate_only:
         raise SystemExit(0)
     quiet_nonzero_ranks()
+    if os.environ.get("RANK", "0") != "0":
+        sys.argv.append("hydra.run.dir=.")  # rank 0 picks the run folder: see shared_run_dir()
     main()

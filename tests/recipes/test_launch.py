@@ -18,17 +18,48 @@ SHORT = ("train.steps=4", "train.eval_every=0")
 LAUNCHES = 3
 
 
+ShortRuns = tuple[Path, list[subprocess.CompletedProcess[str]]]
+
+
 @pytest.fixture(scope="module")
-def short_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[subprocess.CompletedProcess[str]]]:
+def short_runs(tmp_path_factory: pytest.TempPathFactory) -> ShortRuns:
     """``LAUNCHES`` consecutive short 2-rank runs from one working directory."""
     cwd = tmp_path_factory.mktemp("cwd")
     return cwd, [launch(*SHORT, cwd=cwd) for _ in range(LAUNCHES)]
 
 
-def test_every_short_run_exits_zero(short_runs: tuple[Path, list[subprocess.CompletedProcess[str]]]) -> None:
+def test_every_short_run_exits_zero(short_runs: ShortRuns) -> None:
     _, procs = short_runs
     failed = [f"exit {p.returncode}:\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}" for p in procs if p.returncode != 0]
     assert not failed, "\n\n".join(failed)
+
+
+def run_folders(cwd: Path) -> list[Path]:
+    return sorted(p for p in (cwd / "outputs" / "train").iterdir() if not p.name.startswith("."))
+
+
+def test_runs_in_a_row_keep_one_folder_each(short_runs: ShortRuns) -> None:
+    cwd, procs = short_runs
+    folders = run_folders(cwd)
+    assert len(folders) == len(procs)
+    for folder in folders:
+        metrics = (folder / "metrics.jsonl").read_text().splitlines()
+        assert len(metrics) == 4 and (folder / "summary.json").is_file(), folder
+        # metrics and log written once, by this run's rank 0 (nothing appended by a later run)
+        assert (folder / "train.log").read_text().count("mean step time") == 1, folder
+
+
+def test_outputs_latest_is_the_last_run(short_runs: ShortRuns) -> None:
+    cwd, procs = short_runs
+    latest = cwd / "outputs" / "latest"
+    assert latest.is_symlink() and latest.resolve() == run_folders(cwd)[-1]
+    assert f"run dir {latest.resolve()}" in procs[-1].stdout + procs[-1].stderr
+
+
+def test_rejected_run_leaves_no_folder(tmp_path: Path) -> None:
+    proc = launch(*SHORT, "prefetch.forward_prefetch=-1", cwd=tmp_path)
+    assert proc.returncode != 0
+    assert list(tmp_path.iterdir()) == []
 
 
 needs_repo_venv = pytest.mark.skipif(
