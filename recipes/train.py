@@ -33,7 +33,7 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from fsdp_replay import PrefetchScheduler, fully_shard, scheduler_of
+from fsdp_replay import PrefetchMode, PrefetchScheduler, fully_shard, scheduler_of
 from fsdp_replay.hydra import MicrobatchSchedule, TrainJobConfig, quiet_nonzero_ranks, register_configs, to_job_config
 from train_lib.checkpoint import load_checkpoint, save_checkpoint
 from train_lib.llama import Transformer
@@ -271,6 +271,8 @@ def main(cfg: DictConfig) -> None:
 
         # --- train: one sched.iteration() per optimizer step, optimizer.step() after it ------
         for step in range(start_step + 1, job.train.steps + 1):
+            if sched.mode is PrefetchMode.record_and_replay and sched.recorded_order("train") is None:
+                report.recording()
             before = sched.stats.as_dict()
             start = time.perf_counter()
             with sched.iteration(key="train"):

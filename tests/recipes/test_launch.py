@@ -34,6 +34,11 @@ def test_every_short_run_exits_zero(short_runs: ShortRuns) -> None:
     assert not failed, "\n\n".join(failed)
 
 
+def test_step_one_says_it_records_the_prefetch_order(short_runs: ShortRuns) -> None:
+    _, procs = short_runs
+    assert all("recording the prefetch order" in p.stderr for p in procs)
+
+
 def run_folders(cwd: Path) -> list[Path]:
     return sorted(p for p in (cwd / "outputs" / "train").iterdir() if not p.name.startswith("."))
 
