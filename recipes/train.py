@@ -233,8 +233,13 @@ def link_latest(run_dir: Path) -> None:
     if not run_dir.resolve().is_relative_to(outputs):
         return  # an explicit hydra.run.dir elsewhere: the run is not one of outputs/
     staged = outputs / f".latest.{os.getpid()}"
+    staged.unlink(missing_ok=True)
     staged.symlink_to(run_dir.resolve().relative_to(outputs))
-    staged.replace(outputs / "latest")  # a rename: a reader never finds the link missing
+    try:
+        staged.replace(outputs / "latest")  # a rename: a reader never finds the link missing
+    except OSError as err:  # e.g. train.run_name=latest made outputs/latest a folder
+        staged.unlink()
+        log.warning("outputs/latest not updated: %s", err)
 
 
 @hydra.main(config_path="../configs", config_name=CONFIG_NAME, version_base="1.3")
