@@ -4,8 +4,9 @@
     torchrun --standalone --nproc-per-node 2 recipes/train.py prefetch=demand model=small train.steps=50
 
 CUDA + NCCL when a GPU is present, else CPU + gloo; ``python recipes/train.py`` runs a world of one.
-Outputs go to ``outputs/<train.run_name>/``: ``metrics.jsonl`` (one line per step),
-``summary.json``, Hydra's ``train.log`` and ``.hydra/``, and ``checkpoints/step_N`` when saving.
+Each run gets its own folder, ``outputs/<train.run_name>/<date>_<time>/`` (``outputs/latest`` points
+at the last one): ``metrics.jsonl`` (one line per step), ``summary.json``, Hydra's ``train.log``
+and ``.hydra/``, and ``checkpoints/step_N`` when saving.
 """
 
 from __future__ import annotations
@@ -15,25 +16,35 @@ import enum
 import logging
 import os
 import shutil
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import hydra
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from checkpoint import load_checkpoint, save_checkpoint
-from fsdp_replay import PrefetchScheduler, fully_shard, scheduler_of
+from fsdp_replay import PrefetchMode, PrefetchScheduler, fully_shard, scheduler_of
 from fsdp_replay.hydra import MicrobatchSchedule, TrainJobConfig, quiet_nonzero_ranks, register_configs, to_job_config
-from llama import Transformer
-from report import RunReport, stats_delta
-from tokens import Split, TokenData, load_tokens
+from train_lib.checkpoint import load_checkpoint, save_checkpoint
+from train_lib.llama import Transformer
+from train_lib.report import RunReport, stats_delta
+from train_lib.tokens import Split, TokenData, load_tokens
 
 log = logging.getLogger("train")
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+CONFIG_NAME = "train"
+VALIDATE_ONLY = "--validate-only"
 
 
 class Pass(enum.Enum):
@@ -51,8 +62,17 @@ def microbatch_schedule(n: int, schedule: MicrobatchSchedule) -> list[tuple[Pass
     return passes + [(Pass.backward, n - 1)]
 
 
-def init_distributed() -> tuple[torch.device, DeviceMesh]:
-    """CUDA + NCCL when a GPU is present, else CPU + gloo with a CPU device mesh."""
+@contextlib.contextmanager
+def distributed() -> Iterator[tuple[torch.device, DeviceMesh]]:
+    """CUDA + NCCL when a GPU is present, else CPU + gloo with a CPU device mesh; torn down on exit.
+
+    .. note::
+        The group is destroyed only after a barrier: on gloo, a rank that destroys its group
+        right after the last collective can abort a peer whose side of that collective is still
+        completing (``terminate called without an active exception``, SIGABRT after the summary).
+        The barrier is skipped when the run raised, so a failed rank never waits for peers that
+        are not coming; torchrun stops them.
+    """
     if torch.cuda.is_available():
         device, backend = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))), "nccl"
         torch.cuda.set_device(device)
@@ -63,7 +83,11 @@ def init_distributed() -> tuple[torch.device, DeviceMesh]:
     else:
         # Plain `python recipes/train.py`: a world of one needs no rendezvous.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    return device, init_device_mesh(device.type, (dist.get_world_size(),))
+    try:
+        yield device, init_device_mesh(device.type, (dist.get_world_size(),))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
 
 
 def build_model(job: TrainJobConfig, *, mesh: DeviceMesh, device: torch.device) -> Transformer:
@@ -128,80 +152,168 @@ def evaluate(
     return global_mean(total / batches)
 
 
-def remove_if_only_hydra_files(run_dir: Path) -> None:
-    """Hydra creates the run directory before the config is validated; a rejected run leaves none.
+def load_job(cfg: DictConfig) -> tuple[TrainJobConfig, TokenData]:
+    """The validated config and its token data; raises ``ValueError`` naming the field at fault."""
+    job = to_job_config(cfg)
+    data = load_tokens(
+        job.data, vocab_size=job.model.vocab_size, seq_len=job.train.seq_len,
+        batch_size=job.train.batch_size, seed=job.train.seed,
+    )
+    return job, data
 
-    Only a directory holding nothing but Hydra's own files (``.hydra/``, an empty ``train.log``)
-    is removed, so an earlier run's metrics or checkpoints are never touched.
+
+def config_error(overrides: list[str]) -> str | None:
+    """Why the command line's config would be rejected, or None; composes in this process only.
+
+    Runs before ``@hydra.main``, which makes the run directory before ``main()`` can validate, and
+    before any process group, so a rejected run leaves nothing behind. Hydra's own flags
+    (``--cfg``, ``-m``, ...) are left to Hydra, and ``main()`` validates again.
+    """
+    if any(arg.startswith("-") for arg in overrides):
+        return None
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            load_job(compose(CONFIG_NAME, overrides=overrides))
+    except MissingConfigException as err:
+        return unknown_option(err)
+    except (HydraException, OmegaConfBaseException, ValueError) as err:
+        # Hydra says which override failed; its cause (OmegaConf's) says why, naming the field.
+        return "\n".join(str(e) for e in (err, err.__cause__) if e is not None)
+    return None
+
+
+def unknown_option(err: MissingConfigException) -> str:
+    """``prefetch=typo``: name the group's options, leaving out the schemas the YAML files extend.
+
+    ``register_configs()`` stores each group's schema (``base_prefetch``) in that group, so Hydra
+    lists it among the choices although selecting it gives a config with no mode of its own.
+    """
+    if not err.options or not err.missing_cfg_file:
+        return str(err)
+    group, _, name = err.missing_cfg_file.rpartition("/")
+    schemas = {stored.removesuffix(".yaml") for stored in ConfigStore.instance().list(group)}
+    options = [option for option in err.options if option not in schemas]
+    return f"{group}={name}: no such option; {group} takes one of {', '.join(options)} (configs/{group}/)"
+
+
+def remove_if_only_hydra_files(run_dir: Path) -> None:
+    """Hydra creates the run directory before ``main()`` validates; a rejected run leaves none.
+
+    Only reached when :func:`config_error` could not check first (Hydra flags on the command
+    line). Only a directory holding nothing but Hydra's own files (``.hydra/``, an empty
+    ``train.log``) is removed, so an earlier run's metrics or checkpoints are never touched.
     """
     entries = {p.name for p in run_dir.iterdir()} if run_dir.is_dir() else set()
     log_file = run_dir / "train.log"
     if entries <= {".hydra", "train.log"} and (not log_file.exists() or log_file.stat().st_size == 0):
         shutil.rmtree(run_dir, ignore_errors=True)
-        with contextlib.suppress(OSError):
-            run_dir.parent.rmdir()  # outputs/ too, if this run made it and nothing else is there
+        # outputs/<run_name>/ and outputs/ too, if this run made them and nothing else is there
+        for parent in run_dir.parents:
+            if parent == Path.cwd() or not parent.is_relative_to(Path.cwd()):
+                break
+            with contextlib.suppress(OSError):
+                parent.rmdir()
 
 
-@hydra.main(config_path="../configs", config_name="train", version_base="1.3")
+def shared_run_dir(run_dir: Path) -> Path:
+    """Rank 0's run folder, on every rank.
+
+    The default folder is time-stamped, and each rank's Hydra would read its own clock, so only
+    rank 0's Hydra makes one (the other ranks run Hydra in ``.``, see ``__main__``); the others
+    need it for their checkpoint shards.
+    """
+    picked = [str(run_dir)]
+    dist.broadcast_object_list(picked, src=0)
+    return Path(picked[0])
+
+
+def link_latest(run_dir: Path) -> None:
+    """Point ``outputs/latest`` at this run when its folder is under ``outputs/`` (the default)."""
+    outputs = Path("outputs").resolve()
+    if not run_dir.resolve().is_relative_to(outputs):
+        return  # an explicit hydra.run.dir elsewhere: the run is not one of outputs/
+    staged = outputs / f".latest.{os.getpid()}"
+    staged.unlink(missing_ok=True)
+    staged.symlink_to(run_dir.resolve().relative_to(outputs))
+    try:
+        staged.replace(outputs / "latest")  # a rename: a reader never finds the link missing
+    except OSError as err:  # e.g. train.run_name=latest made outputs/latest a folder
+        staged.unlink()
+        log.warning("outputs/latest not updated: %s", err)
+
+
+@hydra.main(config_path="../configs", config_name=CONFIG_NAME, version_base="1.3")
 def main(cfg: DictConfig) -> None:
     # --- setup: config and data errors surface here, before any process group exists ---------
     try:
-        job = to_job_config(cfg)
-        data = load_tokens(
-            job.data, vocab_size=job.model.vocab_size, seq_len=job.train.seq_len,
-            batch_size=job.train.batch_size, seed=job.train.seed,
-        )
+        job, data = load_job(cfg)
     except ValueError as err:
         remove_if_only_hydra_files(Path(HydraConfig.get().runtime.output_dir))
         raise SystemExit(f"recipes/train.py: invalid config: {err}") from None
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    device, mesh = init_distributed()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    model = build_model(job, mesh=mesh, device=device)
-    sched = scheduler_of(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=job.train.lr)
-    start_step = 0
-    if job.train.resume_from is not None:
-        start_step = load_checkpoint(Path(job.train.resume_from), model=model, optimizer=optimizer, sched=sched)
-    log.info(
-        "%s model, %.2fM params, %d rank(s) on %s (%s), prefetch %s, data: %s, run dir %s%s",
-        job.model.name, sum(p.numel() for p in model.parameters()) / 1e6, world, device.type,
-        dist.get_backend(), job.prefetch.mode.name, data.source, run_dir,
-        f", resumed at step {start_step}" if start_step else "",
-    )
-    report = RunReport(
-        run_dir=run_dir, enabled=rank == 0, mode=job.prefetch.mode.name, start_step=start_step,
-        steps=job.train.steps,
-        tokens_per_step=job.train.batch_size * job.train.microbatches * job.train.seq_len * world,
-    )
+    with distributed() as (device, mesh):
+        rank, world = dist.get_rank(), dist.get_world_size()
+        run_dir = shared_run_dir(run_dir)
+        if rank == 0:
+            link_latest(run_dir)
+        model = build_model(job, mesh=mesh, device=device)
+        sched = scheduler_of(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=job.train.lr)
+        start_step = 0
+        if job.train.resume_from is not None:
+            start_step = load_checkpoint(Path(job.train.resume_from), model=model, optimizer=optimizer, sched=sched)
+        log.info(
+            "%s model, %.2fM params, %d rank(s) on %s (%s), prefetch %s, data: %s, run dir %s%s",
+            job.model.name, sum(p.numel() for p in model.parameters()) / 1e6, world, device.type,
+            dist.get_backend(), job.prefetch.mode.name, data.source, run_dir,
+            f", resumed at step {start_step}" if start_step else "",
+        )
+        report = RunReport(
+            run_dir=run_dir, enabled=rank == 0, mode=job.prefetch.mode.name, start_step=start_step,
+            steps=job.train.steps,
+            tokens_per_step=job.train.batch_size * job.train.microbatches * job.train.seq_len * world,
+        )
 
-    # --- train: one sched.iteration() per optimizer step, optimizer.step() after it ----------
-    for step in range(start_step + 1, job.train.steps + 1):
-        before = sched.stats.as_dict()
-        start = time.perf_counter()
-        with sched.iteration(key="train"):
-            loss = train_step(model, data, job, step=step, device=device)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        loss_value = global_mean(loss)
-        seconds = time.perf_counter() - start
-        step_stats = stats_delta(sched.stats.as_dict(), before)
-        eval_loss = None
-        if job.train.eval_every and step % job.train.eval_every == 0:
-            eval_loss = evaluate(model, sched, data, batches=job.train.eval_batches, step=step, device=device)
-        if job.train.save_every and step % job.train.save_every == 0:
-            path = run_dir / "checkpoints" / f"step_{step}"
-            save_checkpoint(path, model=model, optimizer=optimizer, sched=sched, step=step)
-        report.step(step, loss=loss_value, seconds=seconds, stats=step_stats, eval_loss=eval_loss)
+        # --- train: one sched.iteration() per optimizer step, optimizer.step() after it ------
+        for step in range(start_step + 1, job.train.steps + 1):
+            if sched.mode is PrefetchMode.record_and_replay and sched.recorded_order("train") is None:
+                report.recording()
+            before = sched.stats.as_dict()
+            start = time.perf_counter()
+            with sched.iteration(key="train"):
+                loss = train_step(model, data, job, step=step, device=device)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            loss_value = global_mean(loss)
+            seconds = time.perf_counter() - start
+            step_stats = stats_delta(sched.stats.as_dict(), before)
+            eval_loss = None
+            if job.train.eval_every and step % job.train.eval_every == 0:
+                eval_loss = evaluate(model, sched, data, batches=job.train.eval_batches, step=step, device=device)
+            if job.train.save_every and step % job.train.save_every == 0:
+                path = run_dir / "checkpoints" / f"step_{step}"
+                save_checkpoint(path, model=model, optimizer=optimizer, sched=sched, step=step)
+            report.step(step, loss=loss_value, seconds=seconds, stats=step_stats, eval_loss=eval_loss)
 
-    # --- cleanup ------------------------------------------------------------------------------
-    summary = report.finish(sched, device=device)
-    if rank == 0:
-        log.info("summary\n%s", summary)
-    dist.destroy_process_group()
+        # --- cleanup: the summary; leaving `distributed()` tears the process group down ------
+        summary = report.finish(sched, device=device)
+        if rank == 0:
+            log.info("summary\n%s", summary)
 
 
 if __name__ == "__main__":
     register_configs()
+    # `python recipes/train.py --validate-only [overrides]`: check in one process, start nothing
+    # (scripts/dev.sh does this before torchrun, so a bad override is not reported once per rank).
+    validate_only = sys.argv[1:2] == [VALIDATE_ONLY]
+    if validate_only:
+        del sys.argv[1]
+    if (error := config_error(sys.argv[1:])) is not None:
+        # Every rank finds the same error: rank 0 reports it, the others just fail.
+        raise SystemExit(f"recipes/train.py: invalid config: {error}" if os.environ.get("RANK", "0") == "0" else 1)
+    if validate_only:
+        raise SystemExit(0)
     quiet_nonzero_ranks()
+    if os.environ.get("RANK", "0") != "0":
+        sys.argv.append("hydra.run.dir=.")  # rank 0 picks the run folder: see shared_run_dir()
     main()

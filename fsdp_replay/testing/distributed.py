@@ -29,6 +29,7 @@ def _worker(
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     device = "cuda" if backend == "nccl" else "cpu"
+    succeeded = False
     try:
         if device == "cuda":
             torch.cuda.set_device(rank)
@@ -40,10 +41,16 @@ def _worker(
         buffer = io.BytesIO()
         torch.save(fn(mesh, *args), buffer)
         results.put((rank, True, buffer.getvalue()))
+        succeeded = True
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
     finally:
         if dist.is_initialized():
+            # On gloo, destroying the group right after the last collective can abort a peer whose
+            # side of it is still completing (SIGABRT). A failed rank skips the barrier: its peers
+            # may never arrive, and spawn() reports its error and stops them.
+            if succeeded:
+                dist.barrier()
             dist.destroy_process_group()
 
 

@@ -1,4 +1,4 @@
-"""The benchmark harness (recipes/bench.py bench.quick=true) runs end to end and its invariants hold.
+"""The benchmark harness (bench/bench.py bench.quick=true) runs end to end and its invariants hold.
 
 Timings are not checked here (CI machines are noisy); what is checked is that every mode computes
 the same losses, that the counters mean what the table says, and that the rate-limited namespace
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-RECIPES = REPO / "recipes"
-sys.path.insert(0, str(RECIPES))
+BENCH = REPO / "bench"
+sys.path.insert(0, str(BENCH))
 
 import bench_netns  # noqa: E402
 from bench_config import MODES, WORKLOADS  # noqa: E402
@@ -37,7 +37,7 @@ def quick_run(tmp_path_factory) -> tuple[dict, Path, str, set[str]]:
     md.write_text("# Benchmarks\n\nhand-written analysis stays\n")
     before = _namespaces()
     proc = subprocess.run(
-        [sys.executable, str(RECIPES / "bench.py"), "bench.quick=true", f"hydra.run.dir={run_dir}",
+        [sys.executable, str(BENCH / "bench.py"), "bench.quick=true", f"hydra.run.dir={run_dir}",
          f"bench.update_benchmarks_md={md}"],
         cwd=REPO, capture_output=True, text=True, timeout=300,
         env=dict(os.environ, PYTHONPATH=str(REPO)),

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 from recipe_runs import REPO, Run, launch
 
-# The recipe's helpers (llama, tokens, ...) are plain modules next to it, as when it runs.
+# As when the recipe runs: train.py and its train_lib package import from the script's folder.
 sys.path.insert(0, str(REPO / "recipes"))
 
 

@@ -16,15 +16,21 @@ TIMEOUT_S = 300
 """Per launch; a tiny 4-step run takes 10-20 s on 2 CPU cores, nearly all of it start-up."""
 
 
-def launch(*overrides: str, nproc: int | None = 2) -> subprocess.CompletedProcess[str]:
-    """``torchrun --standalone --nproc-per-node <nproc> recipes/train.py``; plain python if ``nproc`` is None."""
+def launch(*overrides: str, nproc: int | None = 2, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
+    """``torchrun --standalone --nproc-per-node <nproc> recipes/train.py``; plain python if ``nproc`` is None.
+
+    ``cwd`` is where Hydra's default run folders (``outputs/...``) go.
+    """
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] if nproc else []
-    # CPU + gloo on every machine, and one thread per rank so two ranks fit on two cores.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     return subprocess.run(
-        [sys.executable, *launcher, "recipes/train.py", *overrides],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S,
+        [sys.executable, *launcher, str(REPO / "recipes" / "train.py"), *overrides],
+        cwd=cwd, env=cpu_env(), capture_output=True, text=True, timeout=TIMEOUT_S,
     )
+
+
+def cpu_env() -> dict[str, str]:
+    """CPU + gloo on every machine, and one thread per rank so two ranks fit on two cores."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
 
 
 @dataclass

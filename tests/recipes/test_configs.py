@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -117,10 +118,10 @@ def test_out_of_range_value_fails_conversion_naming_the_field(override: str, mes
     assert message in str(err.value)
 
 
-def test_run_dir_is_fixed_so_every_rank_shares_it() -> None:
-    first = compose_train(hydra_config=True).hydra.run.dir
-    assert first == compose_train(hydra_config=True).hydra.run.dir == "outputs/train"
-    assert compose_train("train.run_name=abc", hydra_config=True).hydra.run.dir == "outputs/abc"
+def test_run_dir_is_a_time_stamped_folder_under_the_run_name() -> None:
+    """One folder per run; rank 0's is handed to the other ranks by the recipe (test_launch checks it)."""
+    assert re.fullmatch(r"outputs/train/\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d", compose_train(hydra_config=True).hydra.run.dir)
+    assert compose_train("train.run_name=abc", hydra_config=True).hydra.run.dir.startswith("outputs/abc/")
 
 
 def test_nonzero_ranks_write_no_hydra_files(monkeypatch: pytest.MonkeyPatch) -> None:

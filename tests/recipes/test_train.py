@@ -1,7 +1,7 @@
 """recipes/train.py launched by torchrun (2 ranks, gloo): modes agree bitwise, every flag acts.
 
 Each distinct launch runs once per session (see ``train_run``); tests share launches where the
-same run answers several questions: 8 torchrun and 3 plain launches, about 3 minutes on 2 CPU cores.
+same run answers several questions: 8 torchrun and 4 plain launches, about 3 minutes on 2 CPU cores.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from recipe_runs import Run, launch
+from train_lib.plot import PLOT_FILE, plot_metrics
 
 from fsdp_replay import PrefetchMode
 
@@ -93,6 +94,18 @@ def test_outputs_are_one_metrics_line_per_step_and_a_summary(train_run: TrainRun
     assert (run.dir / ".hydra" / "config.yaml").is_file()
 
 
+def test_run_folder_has_a_plot_of_every_step_drawn_from_its_metrics(train_run: TrainRun, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    run = baseline(train_run)
+    assert (run.dir / PLOT_FILE).read_bytes().startswith(b"\x89PNG")
+    drawn = plot_metrics(run.metrics, tmp_path / PLOT_FILE, title="again")
+    assert drawn is not None
+    for name in ("loss", "step_time_ms", "hit_rate_pct"):
+        assert [step for step, _ in drawn[name]] == list(range(1, STEPS + 1)), name
+    assert [step for step, _ in drawn["eval_loss"]] == [2, 4]
+    assert "  plot " in (run.dir / "train.log").read_text()
+
+
 def test_evaluation_runs_under_its_own_scope_key(train_run: TrainRun) -> None:
     run = baseline(train_run)
     assert [("eval_loss" in line) for line in run.metrics] == [False, True, False, True]
@@ -168,15 +181,18 @@ def test_text_file_data_trains_on_its_bytes_in_a_world_of_one(
     [
         ("prefetch.forward_prefetch=-1", "PrefetchConfig.forward_prefetch must be an integer >= 0", 2),
         ("prefetch.mode=fast", "expected one of [static, record_and_replay, demand]", None),
+        ("prefetch=fats", "no such option; prefetch takes one of demand, record_and_replay, static", None),
         ("data.path=/no/such/corpus.txt", "DataConfig.path: no such file '/no/such/corpus.txt'", None),
     ],
 )
-def test_bad_value_fails_before_any_process_group(
+def test_bad_value_fails_once_before_any_process_group_leaving_no_run_folder(
     override: str, message: str, nproc: int | None, tmp_path: Path
 ) -> None:
-    proc = launch(override, f"hydra.run.dir={tmp_path}", nproc=nproc)
+    run_dir = tmp_path / "run"
+    proc = launch(override, f"hydra.run.dir={run_dir}", nproc=nproc)
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0
-    assert message in output
+    assert output.count(message) == 1, output  # rank 0 reports, the other ranks only fail
+    assert "base_prefetch" not in output  # a schema, not an option
     assert "rank(s) on" not in output  # the first line logged after init_process_group
-    assert not (tmp_path / "metrics.jsonl").exists()
+    assert not run_dir.exists()

@@ -5,10 +5,10 @@ machine drift hits all modes alike. The same rank process then measures the phys
 compute-only (the model unsharded, no communication) and communication-only (the demand-mode
 step's all-gathers and reduce-scatters, same sizes and order, no compute).
 
-Also runnable as a script, which is how ``recipes/bench.py`` starts the ranks inside the
+Also runnable as a script, which is how ``bench/bench.py`` starts the ranks inside the
 rate-limited network namespace::
 
-    python recipes/bench_measure.py CONFIG.json RESULTS.json OUT_DIR
+    python bench/bench_measure.py CONFIG.json RESULTS.json OUT_DIR
 """
 
 from __future__ import annotations
@@ -250,7 +250,7 @@ def run_ranks(cfg: BenchConfig, out_dir: Path) -> list[dict[str, Any]]:
     if torch.cuda.is_available():
         world = min(run.world_size, torch.cuda.device_count())
         if world < 2:
-            raise SystemExit("recipes/bench.py: the CUDA run needs at least 2 GPUs (communication is the point)")
+            raise SystemExit("bench/bench.py: the CUDA run needs at least 2 GPUs (communication is the point)")
         return spawn(measure_rank, cfg.to_dict(), str(out_dir), world_size=world, timeout_s=run.timeout_s, backend="nccl")
     return spawn(measure_rank, cfg.to_dict(), str(out_dir), world_size=run.world_size, timeout_s=run.timeout_s)
 

@@ -1,4 +1,4 @@
-"""What a user sees of a run: a rank-0 progress bar, a JSONL line per step, a final summary."""
+"""What a user sees of a run: a rank-0 progress bar, a JSONL line per step, a final summary and plot."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 from tqdm import tqdm
 
 from fsdp_replay import KeyStats, PrefetchScheduler
+from train_lib.plot import PLOT_FILE, plot_metrics
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
@@ -30,6 +31,11 @@ def peak_memory(device: torch.device) -> tuple[int, str]:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "max RSS"
 
 
+def shown_path(path: Path) -> Path:
+    """``outputs/train/...`` rather than an absolute path, when the run is under the working directory."""
+    return path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path
+
+
 class RunReport:
     """Writes only on rank 0 (``enabled``); the other ranks keep no files open."""
 
@@ -46,6 +52,10 @@ class RunReport:
         # A resumed run continues the metrics of the run it resumes.
         self._metrics = open(run_dir / METRICS_FILE, "a" if start_step else "w") if enabled else None
 
+    def recording(self) -> None:
+        """Say on the progress line that the coming step records the prefetch order (it prefetches nothing)."""
+        self._bar.set_postfix_str("recording the prefetch order: no prefetch this step")
+
     def step(self, step: int, *, loss: float, seconds: float, stats: KeyStats, eval_loss: float | None) -> None:
         self.step_times.append(seconds)
         if not self.enabled:
@@ -59,6 +69,8 @@ class RunReport:
             **stats.as_dict(),
         }
         postfix = {"loss": f"{loss:.4f}", "step_s": f"{seconds:.3f}", "hit": f"{stats.hit_rate:.0%}"}
+        if stats.recordings:
+            postfix["order"] = "recorded"
         if eval_loss is not None:
             line["eval_loss"] = self.last_eval_loss = eval_loss
         if self.last_eval_loss is not None:
@@ -94,15 +106,26 @@ class RunReport:
         }
         if self.enabled:
             (self.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
+        plot = self._plot() if self.enabled else ""
         rows = [
             ("mode", self.mode),
             ("mean step time", f"{mean_step * 1e3:.1f} ms"),
             ("tokens/s", f"{summary['tokens_per_s']:,.0f}"),
             (f"peak memory ({memory_kind})", f"{peak / 2**20:,.1f} MiB"),
             ("prefetch hits / misses / resident", f"{stats.hits} / {stats.misses} / {stats.resident}"),
-            ("hit rate", f"{stats.hit_rate:.1%}"),
+            ("hit rate: (hits + resident) / demands", f"{stats.hit_rate:.1%}"),
             ("prefetches / kept / wasted", f"{stats.prefetches} / {stats.kept} / {stats.wasted}"),
             ("divergences", str(stats.divergences)),
+            ("run folder", str(shown_path(self.run_dir))),
+            ("plot", plot),
         ]
         width = max(len(name) for name, _ in rows)
         return "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)
+
+    def _plot(self) -> str:
+        """Draw the run's metrics file (a resumed run in the same folder continues it); the summary's line."""
+        lines = (self.run_dir / METRICS_FILE).read_text().splitlines()
+        title = f"{self.mode}: {self.run_dir.name}"
+        if plot_metrics([json.loads(line) for line in lines], self.run_dir / PLOT_FILE, title=title) is None:
+            return "not drawn: matplotlib is not installed (pip install matplotlib)"
+        return PLOT_FILE

@@ -1,6 +1,6 @@
 """Schema of ``configs/bench.yaml`` (the benchmark's Hydra config), shared by the launcher and the ranks.
 
-Kept apart from ``recipes/bench.py`` so the spawned ranks can unpickle it without importing Hydra.
+Kept apart from ``bench/bench.py`` so the spawned ranks can unpickle it without importing Hydra.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ class CpuCostConfig:
 
 @dataclass
 class BenchConfig:
-    """Top-level config of ``recipes/bench.py``."""
+    """Top-level config of ``bench/bench.py``."""
 
     bench: RunConfig = field(default_factory=RunConfig)
     netns: NetnsConfig = field(default_factory=NetnsConfig)

@@ -1,7 +1,7 @@
 """Benchmark plain FSDP2 and the three fsdp_replay modes side by side, against the physical limit.
 
-    python recipes/bench.py bench.update_benchmarks_md=BENCHMARKS.md   # the full run (~10 min on 2 cores)
-    python recipes/bench.py bench.quick=true                           # CI smoke run (~1 min)
+    python bench/bench.py bench.update_benchmarks_md=BENCHMARKS.md   # the full run (~10 min on 2 cores)
+    python bench/bench.py bench.quick=true                           # CI smoke run (~1 min)
 
 One run measures every workload of ``bench.workloads`` in every mode (plain FSDP2, demand, static,
 record_and_replay), stepping the modes in alternation, then the compute-only and
@@ -38,7 +38,7 @@ import bench_report
 from bench_config import BenchConfig
 from bench_measure import measure_cpu_cost, run_ranks
 
-RECIPES = Path(__file__).resolve().parent
+BENCH = Path(__file__).resolve().parent
 
 
 def machine(load_before: tuple[float, ...]) -> dict[str, Any]:
@@ -73,7 +73,7 @@ def use_namespace(job: BenchConfig, device: str) -> tuple[bool, str]:
     why_not = bench_netns.available()
     if why_not is not None:
         if job.netns.enabled == "true":
-            raise SystemExit(f"recipes/bench.py: netns.enabled=true but a namespace cannot be created: {why_not}")
+            raise SystemExit(f"bench/bench.py: netns.enabled=true but a namespace cannot be created: {why_not}")
         return False, f"plain loopback, no rate limit ({why_not}): communication is nearly free, prefetch has little to hide"
     return True, ""
 
@@ -82,10 +82,10 @@ def measure_in_namespace(job: BenchConfig, run_dir: Path) -> tuple[list[dict[str
     """Start both ranks inside a fresh rate-limited namespace; it is deleted however this ends."""
     config_path, raw_path = run_dir / "bench_config.json", run_dir / "ranks_raw.json"
     config_path.write_text(json.dumps(job.to_dict()))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(RECIPES.parent), os.environ.get("PYTHONPATH")])))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(BENCH.parent), os.environ.get("PYTHONPATH")])))
     with bench_netns.rate_limited_namespace(rate=job.netns.rate, burst=job.netns.burst, latency=job.netns.latency) as name:
         qdisc = bench_netns.qdisc(name)
-        argv = [sys.executable, str(RECIPES / "bench_measure.py"), str(config_path), str(raw_path), str(run_dir)]
+        argv = [sys.executable, str(BENCH / "bench_measure.py"), str(config_path), str(raw_path), str(run_dir)]
         subprocess.run(bench_netns.exec_argv(name, argv), check=True, env=env, timeout=job.bench.timeout_s + 60)
     ranks = json.loads(raw_path.read_text())
     raw_path.unlink()
@@ -99,17 +99,17 @@ def main(cfg: DictConfig) -> None:
     try:
         job = OmegaConf.to_object(cfg)
     except ValueError as err:
-        raise SystemExit(f"recipes/bench.py: invalid config: {err}") from None
+        raise SystemExit(f"bench/bench.py: invalid config: {err}") from None
     if not isinstance(job, BenchConfig):
-        raise SystemExit(f"recipes/bench.py: expected a config built on 'bench_schema', got {type(job).__name__}")
+        raise SystemExit(f"bench/bench.py: expected a config built on 'bench_schema', got {type(job).__name__}")
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     overrides = " ".join(HydraConfig.get().overrides.task)
-    command = f"python recipes/bench.py {overrides}".strip()
+    command = f"python bench/bench.py {overrides}".strip()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     load_before = os.getloadavg()
     namespaced, interconnect = use_namespace(job, device)
-    print(f"recipes/bench.py: {device}, interconnect: {interconnect or 'rate-limited namespace ' + job.netns.rate}", flush=True)
+    print(f"bench/bench.py: {device}, interconnect: {interconnect or 'rate-limited namespace ' + job.netns.rate}", flush=True)
 
     # --- measure ----------------------------------------------------------------------------------
     start = time.perf_counter()
@@ -149,8 +149,8 @@ def main(cfg: DictConfig) -> None:
         bench_report.update_markdown(md, section, device)
     print(section)
     if job.bench.plot and report["plot"] is None:
-        print("recipes/bench.py: matplotlib is not installed; no plot (pip install matplotlib)")
-    print(f"recipes/bench.py: results in {run_dir}")
+        print("bench/bench.py: matplotlib is not installed; no plot (pip install matplotlib)")
+    print(f"bench/bench.py: results in {run_dir}")
 
 
 if __name__ == "__main__":

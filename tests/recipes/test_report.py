@@ -1,0 +1,64 @@
+"""The run report's files, summary and picture, written in one process from made-up step counters."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from train_lib.plot import PLOT_FILE, plot_metrics
+from train_lib.report import METRICS_FILE, RunReport
+
+from fsdp_replay import KeyStats, PrefetchStats
+
+STEPS = 5
+EVAL_STEPS = (2, 4)
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def report_a_run(run_dir: Path) -> dict[str, str]:
+    """STEPS steps as record_and_replay reports them: step 1 records, the others hit; the summary's rows."""
+    report = RunReport(run_dir=run_dir, enabled=True, mode="record_and_replay", start_step=0, steps=STEPS,
+                       tokens_per_step=64)
+    totals = PrefetchStats()
+    for step in range(1, STEPS + 1):
+        recording = step == 1
+        stats = KeyStats(demands=10, hits=0 if recording else 8, misses=8 if recording else 0, resident=2,
+                         recordings=int(recording))
+        for name, value in stats.as_dict().items():
+            totals.add(name, value)
+        eval_loss = 4.0 - step / 10 if step in EVAL_STEPS else None
+        report.step(step, loss=5.0 - step / 10, seconds=0.1, stats=stats, eval_loss=eval_loss)
+    sched = SimpleNamespace(stats=totals, recorded_order=lambda key: None)
+    summary = report.finish(sched, device=torch.device("cpu"))
+    return dict(re.split(r"\s{2,}", line.strip(), maxsplit=1) for line in summary.splitlines())
+
+
+def test_summary_says_what_the_hit_rate_counts_and_where_the_run_is(tmp_path: Path) -> None:
+    rows = report_a_run(tmp_path)
+    # 8 hits + 2 resident on 4 steps, 0 + 2 on the recording step, over 50 demands
+    assert rows["hit rate: (hits + resident) / demands"] == "84.0%"
+    assert rows["run folder"] == str(tmp_path)
+
+
+def test_plot_has_one_point_per_step_and_eval_loss_where_evaluated(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    assert report_a_run(tmp_path)["plot"] == PLOT_FILE
+    assert (tmp_path / PLOT_FILE).read_bytes().startswith(PNG_SIGNATURE)
+    metrics = [json.loads(line) for line in (tmp_path / METRICS_FILE).read_text().splitlines()]
+    drawn = plot_metrics(metrics, tmp_path / "again.png", title="again")
+    assert drawn is not None
+    for name in ("loss", "step_time_ms", "hit_rate_pct"):
+        assert [step for step, _ in drawn[name]] == list(range(1, STEPS + 1)), name
+    assert [step for step, _ in drawn["eval_loss"]] == list(EVAL_STEPS)
+    assert drawn["hit_rate_pct"][0] == (1, 20.0)  # the recording step: resident demands only
+
+
+def test_without_matplotlib_the_summary_says_so_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # makes the import fail
+    assert report_a_run(tmp_path)["plot"] == "not drawn: matplotlib is not installed (pip install matplotlib)"
+    assert not (tmp_path / PLOT_FILE).exists()
