@@ -144,14 +144,14 @@ class FSDPProbe:
             probe._sample()
 
         @functools.wraps(orig_copy_out)
-        def copy_out(result: Any, fsdp_params: Any, group: Any) -> None:
+        def copy_out(result: Any, fsdp_params: Any, group: Any, **kwargs: Any) -> None:  # 2.15 adds a keyword
             work = result.all_gather_work
             if isinstance(work, dist.distributed_c10d.Work):
                 start = time.perf_counter()
                 work.wait()  # the original waits again: a no-op on a completed Work
                 probe._exposed(probe._owner(fsdp_params), time.perf_counter() - start)
             start = time.perf_counter()
-            orig_copy_out(result, fsdp_params, group)
+            orig_copy_out(result, fsdp_params, group, **kwargs)
             probe.step.copy_out_s += time.perf_counter() - start
 
         @functools.wraps(orig_reduce)

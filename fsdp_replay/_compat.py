@@ -354,14 +354,14 @@ def _intercept_group(
     skip_lifecycle_reshard: Callable[[], bool],
     on_other_party: Callable[[OtherPartyCall], None],
 ) -> None:
-    fsdp = {name: getattr(group, name) for name in _INTERCEPTED}
+    cls = type(group)  # FSDP2's methods are looked up at call time, so a later patch of the class still runs
     in_lifecycle = [False]  # inside FSDP2's post_forward/post_backward of this group
 
     def lifecycle(name: str) -> Callable[..., Any]:
         def call(*args: Any) -> Any:
             in_lifecycle[0] = True
             try:
-                return fsdp[name](*args)
+                return getattr(cls, name)(group, *args)
             finally:
                 in_lifecycle[0] = False
 
@@ -376,18 +376,18 @@ def _intercept_group(
                 return
         else:
             on_other_party("reshard")
-        fsdp["reshard"]()
+        cls.reshard(group)
 
     def unshard(async_op: bool = False) -> None:
         # FSDP2's own unshards come from pre-forward, pre-backward and recompute, when the unit's
         # state is FORWARD or PRE_BACKWARD; from an idle unit it is someone else's call.
         if state._training_state is TrainingState.IDLE:
             on_other_party("unshard")
-        fsdp["unshard"](async_op)
+        cls.unshard(group, async_op)
 
     def reset_iter_state() -> None:
         on_other_party("reset")
-        fsdp["_reset_iter_state"]()
+        cls._reset_iter_state(group)
 
     group.post_forward, group.post_backward = lifecycle("post_forward"), lifecycle("post_backward")
     group.reshard, group.unshard, group._reset_iter_state = reshard, unshard, reset_iter_state
