@@ -51,7 +51,7 @@ def require_at_least(minimum: int, owner: object, *names: str) -> None:
 
 @dataclass
 class ModelConfig:
-    """Shape of the Llama-style decoder of ``recipes/llama.py`` (the ``model`` group's schema)."""
+    """Shape of the Llama-style decoder of ``recipes/train_lib/llama.py`` (the ``model`` group's schema)."""
 
     name: str = "tiny"
     """Label shown in logs and the summary."""
@@ -107,7 +107,8 @@ class TrainConfig:
     """Optimisation loop of ``recipes/train.py``."""
 
     run_name: str = "train"
-    """Run directory ``outputs/<run_name>``; fixed (not time-stamped) so every rank agrees on it."""
+    """Runs go to ``outputs/<run_name>/<date>_<time>/``: rank 0 picks the folder and the other
+    ranks receive it; ``outputs/latest`` points at the last one."""
     steps: int = 100
     """Optimizer steps to run (a resumed run continues up to this step)."""
     batch_size: int = 8
