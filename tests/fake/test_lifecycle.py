@@ -136,3 +136,22 @@ def test_optimizer_step_inside_a_scope_releases_pending_prefetches(mesh8, caplog
         assert all(g._all_gather_result is None for u in sched.units for g in u.state._fsdp_param_groups)
         losses[1].backward()
     assert any("optimizer.step() inside iteration" in r.message for r in caplog.records)
+
+
+def test_detach_leaves_no_shadowed_fsdp2_method_and_keeps_lists_set_while_attached(mesh8):
+    w, model = _sharded(mesh8)
+    sched = attach(model)
+    with sched.iteration("train"):
+        run_iteration(model, w, 0)
+    model.blocks[2].set_modules_to_forward_prefetch([model.blocks[3]])  # the user's, set while attached
+    sched.detach()
+    state2 = model.blocks[2]._get_fsdp_state()
+    assert state2._states_to_forward_prefetch == [model.blocks[3]._get_fsdp_state()]  # their value wins
+    for module in model.modules():
+        state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
+        if state is None:
+            continue
+        assert not {"_pre_backward", "_root_post_backward_final_callback"} & set(vars(state)), module
+        for group in state._fsdp_param_groups:
+            shadowed = {"post_forward", "post_backward", "reshard", "unshard", "_reset_iter_state"} & set(vars(group))
+            assert not shadowed, (module, shadowed)
