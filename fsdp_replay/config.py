@@ -75,7 +75,3 @@ class PrefetchConfig:
                 f"PrefetchConfig.on_divergence: unknown policy {self.on_divergence!r}; "
                 f"valid policies are {', '.join(DIVERGENCE_POLICIES)}"
             )
-
-    def depth(self, in_forward: bool) -> int:
-        """Prefetch depth for the current phase."""
-        return self.forward_prefetch if in_forward else self.backward_prefetch

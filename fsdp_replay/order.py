@@ -1,4 +1,10 @@
-"""A recorded iteration: one flat sequence of demands, and the cursor that replays it."""
+"""What comes next: a recorded iteration, the cursor that replays it, and how far ahead it looks.
+
+Everything about the order lives here: the demands of a scope as they are recorded
+(:class:`Recording`), the immutable sequence they become (:class:`ExecutionOrder`), the prefetch
+depth of each phase (:class:`Depth`), the lookahead of each position (what a refill may provide
+for), and the segment rule (a segment is the part of a scope between two ends of backward).
+"""
 
 from __future__ import annotations
 
@@ -24,6 +30,17 @@ class Phase(enum.Enum):
         return self is Phase.forward
 
 
+class Depth(NamedTuple):
+    """All-gathers that may be in flight ahead of use, per phase (``PrefetchConfig``'s two depths)."""
+
+    forward: int = 1
+    backward: int = 1
+    """Also the depth of recompute, which runs inside a backward."""
+
+    def of(self, phase: Phase) -> int:
+        return self.forward if phase.in_forward else self.backward
+
+
 @dataclass(frozen=True, eq=False)
 class Entry:
     """One demand of a recorded iteration."""
@@ -36,14 +53,28 @@ class Entry:
     Units that stay unsharded (the root, ``reshard_after_forward=False``) never take a slot.
     """
     segment: int = 0
-    """Backward passes finished before this demand in its scope. FSDP2 drops gathers still pending
-    when a backward finalizes, so replay never prefetches across a segment boundary."""
+    """Backward passes finished before this demand in its scope (see :meth:`Cursor.lookahead`)."""
 
     def matches(self, unit: Unit, phase: Phase) -> bool:
         return self.unit is unit and self.phase is phase
 
     def describe(self) -> str:
         return f"({self.unit.fqn!r}, {self.phase.value!r})"
+
+
+class Recording:
+    """The demands of a scope being recorded, each with the segment it falls in."""
+
+    def __init__(self) -> None:
+        self.entries: list[Entry] = []
+        self.segment = 0
+        """Backward passes finished so far in the scope."""
+
+    def append(self, unit: Unit, phase: Phase, *, needs_gather: bool) -> None:
+        self.entries.append(Entry(unit, phase, needs_gather, self.segment))
+
+    def end_backward(self) -> None:
+        self.segment += 1
 
 
 class Lookahead(NamedTuple):
@@ -54,6 +85,8 @@ class Lookahead(NamedTuple):
     still in use, which is kept unsharded instead of gathered and so takes no gather slot."""
     gathers: int
     """All-gathers that may be in flight ahead: the prefetch depth of the phase being entered."""
+    segment: int = 0
+    """The segment all of ``entries`` are in."""
 
 
 _NOTHING_AHEAD = Lookahead((), 0)
@@ -64,24 +97,23 @@ class ExecutionOrder:
 
     def __init__(self, entries: Sequence[Entry]) -> None:
         self.entries: tuple[Entry, ...] = tuple(entries)
-        self._lookaheads: dict[tuple[int, int], tuple[Lookahead, ...]] = {}
+        self._lookaheads: dict[Depth, tuple[Lookahead, ...]] = {}
 
-    def lookahead(self, forward_depth: int, backward_depth: int) -> tuple[Lookahead, ...]:
-        """Per position, what a refill there may provide for; computed once per depths.
+    def lookahead(self, depth: Depth) -> tuple[Lookahead, ...]:
+        """Per position, what a refill there may provide for; computed once per depth.
 
         The depth is that of the phase the position heads into (0: nothing is held ahead).
         Entries that were resident while recording take no slot; the entries end at a segment
-        boundary (FSDP2 drops gathers pending at the end of a backward) and at a unit's second
-        entry (one use at a time is provided for: the unit is kept unsharded from one use to the
-        next, or gathered for the next).
+        boundary (see :meth:`Cursor.lookahead`) and at a unit's second entry (one use at a time
+        is provided for: the unit is kept unsharded from one use to the next, or gathered for
+        the next).
         """
-        key = (forward_depth, backward_depth)
-        if key not in self._lookaheads:
-            self._lookaheads[key] = tuple(
-                _lookahead_from(self.entries, position, forward_depth if entry.phase.in_forward else backward_depth)
+        if depth not in self._lookaheads:
+            self._lookaheads[depth] = tuple(
+                _lookahead_from(self.entries, position, depth.of(entry.phase))
                 for position, entry in enumerate(self.entries)
             ) + (_NOTHING_AHEAD,)
-        return self._lookaheads[key]
+        return self._lookaheads[depth]
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -127,11 +159,13 @@ def first_difference(a: Sequence, b: Sequence) -> int:
 class Cursor:
     """A monotonic position in an order: each demand is checked against ``expected`` then ``advance``d."""
 
-    def __init__(self, order: ExecutionOrder, *, forward_depth: int = 1, backward_depth: int = 1) -> None:
+    def __init__(self, order: ExecutionOrder, *, depth: Depth = Depth()) -> None:
         self.order = order
         self.position = 0
+        self.segment = 0
+        """Backward passes finished so far in the replayed scope."""
         self._entries = order.entries
-        self._lookahead = order.lookahead(forward_depth, backward_depth)
+        self._lookahead = order.lookahead(depth)
 
     @property
     def expected(self) -> Entry | None:
@@ -144,12 +178,21 @@ class Cursor:
     def advance(self) -> None:
         self.position += 1
 
+    def end_backward(self) -> None:
+        self.segment += 1
+
     def lookahead(self) -> Lookahead:
         """What a refill may provide for now, not yet demanded (see :meth:`ExecutionOrder.lookahead`).
 
-        The position never passes the end (a demand there diverges), where the lookahead is empty.
+        The segment rule: FSDP2 drops the gathers still pending when a backward finalizes, so
+        nothing is provided for across the end of a backward. It has two halves: a lookahead
+        never crosses into the next segment (``_lookahead_from``), and one that starts in the
+        next segment (the last demand of a backward was replayed, the backward has not ended
+        yet) waits for :meth:`end_backward`. The position never passes the end (a demand there
+        diverges), where the lookahead is empty.
         """
-        return self._lookahead[self.position]
+        ahead = self._lookahead[self.position]
+        return ahead if ahead.segment <= self.segment else _NOTHING_AHEAD
 
 
 def _lookahead_from(entries: tuple[Entry, ...], position: int, depth: int) -> Lookahead:
@@ -160,12 +203,13 @@ def _lookahead_from(entries: tuple[Entry, ...], position: int, depth: int) -> Lo
     units: set[Unit] = set()
     for i in range(position, len(entries)):
         entry = entries[i]
+        # depth + 1 entries: the nearest may be a unit in use, kept rather than gathered.
         if len(picked) > depth or entry.segment != segment:
-            break
+            break  # the first half of the segment rule (see Cursor.lookahead)
         if not entry.needs_gather:
             continue
         if entry.unit in units:
             break
         picked.append(entry)
         units.add(entry.unit)
-    return Lookahead(tuple(picked), depth)
+    return Lookahead(tuple(picked), depth, segment)

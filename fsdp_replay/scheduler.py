@@ -24,7 +24,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from fsdp_replay import _compat
 from fsdp_replay.config import PrefetchConfig, PrefetchMode
 from fsdp_replay.hooks import HookSet
-from fsdp_replay.order import Cursor, Entry, ExecutionOrder, Phase, first_difference
+from fsdp_replay.order import Cursor, Depth, ExecutionOrder, Phase, Recording, first_difference
 from fsdp_replay.stats import PrefetchStats
 from fsdp_replay.units import Unit, discover_units
 from fsdp_replay.window import Held, PrefetchWindow
@@ -50,12 +50,10 @@ class _Scope:
 
     key: str
     explicit: bool
-    recording: list[Entry] | None = None
+    recording: Recording | None = None
     cursor: Cursor | None = None
     demand_only: bool = False
     """No prefetch for the rest of the scope (``demand`` mode, or after a divergence)."""
-    segment: int = 0
-    """Backward passes finished so far in this scope."""
     backward_started: bool = False
     """Automatic scopes: a scope still open at the next root forward failed if its backward began."""
 
@@ -77,18 +75,14 @@ class PrefetchScheduler:
         self._orders: dict[str, ExecutionOrder] = {}
         self._verified: set[str] = set()
         self._scope: _Scope | None = None
-        self._window = PrefetchWindow(max_bytes=config.max_prefetch_bytes)
+        self._depth = Depth(config.forward_prefetch, config.backward_prefetch)
         self._param_ids = {id(p) for p in root.parameters()}
         self._optimizers_seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._warned_step_in_scope = False
-        self._gathered: set[Unit] = set()
-        """Units all-gathered since the last optimizer step: only their unsharded values are current.
-        A unit left unsharded across a step is stale, and plain FSDP2 renews it at its next reshard
-        and gather, so only these are ever kept."""
         self._saved_prefetch = {unit: _compat.disable_own_prefetch(unit.state) for unit in self.units}
         self._hooks = HookSet(self)
-        self._keeps = all([self._hooks.register_unit(unit) for unit in self.units])
-        """Whether FSDP2's reshards can be seen and skipped (its internals are available)."""
+        can_keep = all([self._hooks.register_unit(unit) for unit in self.units])
+        self._window = PrefetchWindow(max_bytes=config.max_prefetch_bytes, can_keep=can_keep)
         self._hooks.register_root(root)
         self._optimizer_hook = register_optimizer_step_pre_hook(_weak_step_hook(self))
         weakref.finalize(self, self._optimizer_hook.remove)
@@ -202,7 +196,10 @@ class PrefetchScheduler:
         scope = self._scope
         if scope is None:
             return
-        scope.segment += 1
+        if scope.recording is not None:
+            scope.recording.end_backward()
+        elif scope.cursor is not None:
+            scope.cursor.end_backward()
         if not scope.explicit:
             self._end_scope(scope)
         else:
@@ -215,17 +212,14 @@ class PrefetchScheduler:
         kind = _compat.demand_kind(state)
         self.stats.count(key, "demands")
         self.stats.count(key, kind)
-        held = self._window.take(unit)
-        if held is not None and kind == "misses":
-            self.stats.count(key, "dropped")  # FSDP2 dropped the gather (e.g. finalize_backward) or a reset did
-        if kind == "misses" or held is Held.prefetched:
-            self._gathered.add(unit)  # not a gather someone else left pending: that may predate a step
+        if self._window.demanded(unit, missed=kind == "misses"):
+            self.stats.count(key, "dropped")
         if scope is None or scope.demand_only:
             return
         scope.backward_started |= phase is Phase.backward
         if scope.recording is not None:
             with _compat.trace("fsdp_replay::record", unit.fqn, phase.value):
-                scope.recording.append(Entry(unit, phase, kind != "resident", scope.segment))
+                scope.recording.append(unit, phase, needs_gather=kind != "resident")
             return
         if scope.cursor is not None and not self._replay_matches(scope, unit, phase):
             return
@@ -264,7 +258,7 @@ class PrefetchScheduler:
     def on_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         if not self._steps_our_params(optimizer):
             return
-        self._gathered.clear()
+        self._window.step_taken()
         scope = self._scope
         if scope is None:
             return
@@ -292,13 +286,11 @@ class PrefetchScheduler:
                 self._drop_order(key, reason="rerecord=True")
             order = self._orders.get(key)
             if order is None:
-                scope.recording = []
+                scope.recording = Recording()
             else:
                 if self.config.check_ranks and key not in self._verified:
                     self._verify_across_ranks(key, order)
-                scope.cursor = Cursor(
-                    order, forward_depth=self.config.forward_prefetch, backward_depth=self.config.backward_prefetch
-                )
+                scope.cursor = Cursor(order, depth=self._depth)
         self._scope = scope
         if not scope.demand_only and (root_state := self._root_state()) is not None:
             # This scope may gather before FSDP2's root pre-forward (first step, or a resumed run).
@@ -324,11 +316,11 @@ class PrefetchScheduler:
                 self._drop_order(scope.key, reason=failure)
             return
         if scope.recording is not None:
-            if scope.recording:
-                self._orders[scope.key] = ExecutionOrder(scope.recording)
+            if entries := scope.recording.entries:
+                self._orders[scope.key] = ExecutionOrder(entries)
                 self._verified.discard(scope.key)
                 self.stats.count(scope.key, "recordings")
-                logger.debug("fsdp_replay: recorded %d demands for scope %r", len(scope.recording), scope.key)
+                logger.debug("fsdp_replay: recorded %d demands for scope %r", len(entries), scope.key)
             return
         cursor = scope.cursor
         if cursor is not None and not scope.demand_only and not cursor.done:
@@ -384,8 +376,6 @@ class PrefetchScheduler:
         gathers = 0
         for entry in ahead.entries:
             unit = entry.unit
-            if entry.segment > scope.segment:
-                return  # the current backward has not finished yet
             held = self._window.holds(unit)
             if held is not None:
                 gathers += held is Held.prefetched
@@ -397,7 +387,7 @@ class PrefetchScheduler:
             if (not in_use and gathers >= ahead.gathers) or not self._window.fits(unit):
                 return  # the next demand frees a slot or room
             if in_use:
-                if not self._keeps or unit not in self._gathered:
+                if not self._window.may_keep(unit):
                     return  # cannot keep it (no FSDP2 internals, or stale values): nothing later may jump the queue
                 self._window.keep(unit)
             elif self._window.prefetch(unit, backward=not entry.phase.in_forward):
@@ -410,7 +400,7 @@ class PrefetchScheduler:
         A wrong guess stays pending until its unit is used, so the gathers already held count
         against the depth: memory stays within ``depth`` units ahead however often it guesses wrong.
         """
-        depth = self.config.depth(phase.in_forward)
+        depth = self._depth.of(phase)
         for successor in self._static_next[phase.in_forward][unit][:depth]:
             if len(self._window) >= depth:
                 return

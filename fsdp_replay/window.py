@@ -31,12 +31,18 @@ class PrefetchWindow:
     ``_compat``) hands it over: :meth:`take` drops it without touching FSDP2.
     """
 
-    def __init__(self, *, max_bytes: int | None) -> None:
+    def __init__(self, *, max_bytes: int | None, can_keep: bool) -> None:
         self.max_bytes = max_bytes
+        self.can_keep = can_keep
+        """Whether FSDP2's reshards can be seen and skipped (its internals are available)."""
         self._prefetched: dict[Unit, None] = {}
         self._kept: dict[Unit, bool] = {}
         """Kept unit -> whether a reshard of it was skipped (so plain FSDP2 would have it sharded now)."""
         self._bytes_ahead = 0
+        self._gathered: set[Unit] = set()
+        """Units all-gathered since the last optimizer step: only their unsharded values are current.
+        A unit left unsharded across a step is stale, and plain FSDP2 renews it at its next reshard
+        and gather, so only these are ever kept."""
 
     def __len__(self) -> int:
         return len(self._prefetched) + len(self._kept)
@@ -70,6 +76,10 @@ class PrefetchWindow:
         self._bytes_ahead += unit.unsharded_bytes
         return True
 
+    def may_keep(self, unit: Unit) -> bool:
+        """Whether the in-use ``unit`` may be kept for its next use rather than resharded."""
+        return self.can_keep and unit in self._gathered
+
     def keep(self, unit: Unit) -> None:
         """Hold the in-use ``unit``: FSDP2's reshards of it are skipped until its next demand."""
         self._kept[unit] = False
@@ -83,6 +93,21 @@ class PrefetchWindow:
             return None
         self._kept[unit] = True
         return not skipped
+
+    def demanded(self, unit: Unit, *, missed: bool) -> bool:
+        """``unit``'s demand came (``missed``: FSDP2 must gather it now): it leaves the window.
+
+        Returns whether the window held it although its gather is missing: FSDP2 dropped the
+        prefetch (e.g. when it finalizes a backward), or a reset did.
+        """
+        held = self.take(unit)
+        if missed or held is Held.prefetched:
+            self._gathered.add(unit)  # not a gather someone else left pending: that may predate a step
+        return missed and held is not None
+
+    def step_taken(self) -> None:
+        """An optimizer step updated the sharded parameters: no unsharded value is current now."""
+        self._gathered.clear()
 
     def take(self, unit: Unit) -> Held | None:
         """``unit`` leaves the window, FSDP2 untouched: its demand came, or another party took it over.
