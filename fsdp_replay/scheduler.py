@@ -1,11 +1,12 @@
-"""The scheduler: iteration scopes, the three modes, and the prefetch window they drive.
+"""The scheduler: iteration scopes, and dispatch of their events to each scope's strategy.
 
-Data flow: a hook reports a demand ``(unit, phase)`` → while recording it is appended to the
-scope's entries, which become the key's :class:`ExecutionOrder` when the scope succeeds → a later
-scope walks that order with a :class:`Cursor`, checking each demand → after every demand,
-:meth:`PrefetchScheduler._refill` provides for the next entries through the
-:class:`PrefetchWindow` (an all-gather issued early, or a unit in use kept unsharded for its next
-use), and the scope's end releases whatever is left.
+Data flow: a hook reports a demand ``(unit, phase)`` → the scheduler classifies and counts it,
+takes the unit out of the :class:`PrefetchWindow` and hands the demand to the scope's strategy
+(``strategies.py``): while recording it is appended to the scope's :class:`Recording`, which
+becomes the key's :class:`ExecutionOrder` when the scope succeeds → a later scope walks that
+order with a :class:`Cursor`, checking each demand, and provides for the next entries through the
+window (an all-gather issued early, or a unit in use kept unsharded for its next use) → the
+scope's end releases whatever is left.
 """
 
 from __future__ import annotations
@@ -14,18 +15,19 @@ import contextlib
 import logging
 import weakref
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fsdp_replay import _compat
 from fsdp_replay.config import PrefetchConfig, PrefetchMode
 from fsdp_replay.hooks import HookSet
-from fsdp_replay.order import Cursor, Depth, ExecutionOrder, Phase, Recording, first_difference
+from fsdp_replay.order import Cursor, Depth, ExecutionOrder, Phase
+from fsdp_replay.ranks import RankMismatchError, check_across_ranks
 from fsdp_replay.stats import PrefetchStats
+from fsdp_replay.strategies import DEMAND_ONLY, Record, Replay, ScopeMode, Static, Strategy, static_successors
 from fsdp_replay.units import Unit, discover_units
 from fsdp_replay.window import Held, PrefetchWindow
 
@@ -40,23 +42,17 @@ class PrefetchDivergenceError(RuntimeError):
     """A replayed scope left its recorded order while ``on_divergence="raise"``."""
 
 
-class RankMismatchError(RuntimeError):
-    """Ranks recorded different orders; replaying them would issue mismatched collectives."""
-
-
 @dataclass(eq=False)
 class _Scope:
-    """One iteration: the demands it records, or the cursor it replays, and where it stands."""
+    """One iteration (one optimizer step's forwards and backwards), and what it does with its demands."""
 
     key: str
     explicit: bool
-    recording: Recording | None = None
-    cursor: Cursor | None = None
-    demand_only: bool = False
-    """No prefetch for the rest of the scope (``demand`` mode, or after a divergence)."""
+    """Opened by ``iteration()``; an automatic scope spans one root forward and its backward."""
+    strategy: Strategy
+    """Decides what to provide for after each demand; its ``mode`` is the scope's mode."""
     backward_started: bool = False
     """Automatic scopes: a scope still open at the next root forward failed if its backward began."""
-
 
 
 class PrefetchScheduler:
@@ -71,7 +67,7 @@ class PrefetchScheduler:
         if not self.units:
             raise ValueError(f"attach(): no fully_shard unit with parameters under {type(root).__name__}")
         self._units_by_fqn = {u.fqn: u for u in self.units}
-        self._static_next = _static_successors(self.units)
+        self._static_successors = static_successors(self.units)
         self._orders: dict[str, ExecutionOrder] = {}
         self._verified: set[str] = set()
         self._scope: _Scope | None = None
@@ -131,7 +127,7 @@ class PrefetchScheduler:
         for k in list(self._orders) if key is None else [key]:
             self._drop_order(k, reason="invalidate() was called")
         scope = self._scope
-        if scope is not None and scope.cursor is not None and scope.key not in self._orders:
+        if scope is not None and scope.strategy.mode is ScopeMode.replay and scope.key not in self._orders:
             self._go_demand_only(scope)
 
     def reset_stats(self) -> None:
@@ -196,42 +192,25 @@ class PrefetchScheduler:
         scope = self._scope
         if scope is None:
             return
-        if scope.recording is not None:
-            scope.recording.end_backward()
-        elif scope.cursor is not None:
-            scope.cursor.end_backward()
+        scope.strategy.end_backward()
         if not scope.explicit:
             self._end_scope(scope)
         else:
-            self._refill(scope)
+            scope.strategy.provide()
 
     def on_demand(self, unit: Unit, phase: Phase) -> None:
         scope = self._scope
         key = scope.key if scope is not None else None
-        state = unit.state
-        kind = _compat.demand_kind(state)
+        kind = _compat.demand_kind(unit.state)
         self.stats.count(key, "demands")
         self.stats.count(key, kind)
         if self._window.demanded(unit, missed=kind == "misses"):
             self.stats.count(key, "dropped")
-        if scope is None or scope.demand_only:
+        if scope is None or scope.strategy.mode is ScopeMode.demand:
             return
         scope.backward_started |= phase is Phase.backward
-        if scope.recording is not None:
-            with _compat.trace("fsdp_replay::record", unit.fqn, phase.value):
-                scope.recording.append(unit, phase, needs_gather=kind != "resident")
-            return
-        if scope.cursor is not None and not self._replay_matches(scope, unit, phase):
-            return
-        if kind == "misses" and _compat.may_gather(state):
-            # Issued before any prefetch, so the demanded gather is not queued behind them.
-            with _compat.trace("fsdp_replay::gather_at_demand", unit.fqn):
-                _compat.issue_unshard(state, backward=not phase.in_forward)
-        if scope.cursor is not None:
-            scope.cursor.advance()
-            self._refill(scope, demanded=unit)
-        else:
-            self._prefetch_static(scope, unit, phase)
+        if (divergence := scope.strategy.on_demand(unit, phase, kind)) is not None:
+            self._diverge(scope, f"scope {scope.key!r} {divergence}")
 
     def on_lifecycle_reshard(self, unit: Unit) -> bool:
         """FSDP2 is about to reshard ``unit`` after a use; True skips it (the unit is kept)."""
@@ -278,28 +257,34 @@ class PrefetchScheduler:
     # --- scopes ----------------------------------------------------------------------------------
 
     def _begin_scope(self, key: str, *, explicit: bool, rerecord: bool = False) -> _Scope:
-        scope = _Scope(key=key, explicit=explicit)
-        if self.config.mode is PrefetchMode.demand:
-            scope.demand_only = True
-        elif self.config.mode is PrefetchMode.record_and_replay:
-            if rerecord and key in self._orders:
-                self._drop_order(key, reason="rerecord=True")
-            order = self._orders.get(key)
-            if order is None:
-                scope.recording = Recording()
-            else:
-                if self.config.check_ranks and key not in self._verified:
-                    self._verify_across_ranks(key, order)
-                scope.cursor = Cursor(order, depth=self._depth)
+        scope = _Scope(key=key, explicit=explicit, strategy=self._strategy_for(key, rerecord=rerecord))
         self._scope = scope
-        if not scope.demand_only and (root_state := self._root_state()) is not None:
+        if scope.strategy.mode is not ScopeMode.demand and (root_state := self._root_state()) is not None:
             # This scope may gather before FSDP2's root pre-forward (first step, or a resumed run).
             _compat.ensure_lazy_init(root_state)
         if explicit:
-            self._refill(scope)  # the scope's first gathers go out before its first forward
+            scope.strategy.provide()  # the scope's first gathers go out before its first forward
         # An automatic scope opens inside the root's pre-forward, which is already its first
         # demand: that demand gathers at the point of use, and replay starts from there.
         return scope
+
+    def _strategy_for(self, key: str, *, rerecord: bool) -> Strategy:
+        """The mode of a new scope of ``key``: the configured mode, and for record-and-replay
+        whether the key has an order to replay."""
+        mode = self.config.mode
+        if mode is PrefetchMode.demand:
+            return DEMAND_ONLY
+        count_prefetch = _weak_counter(self, key, "prefetches")
+        if mode is PrefetchMode.static:
+            return Static(self._static_successors, self._depth, self._window, count_prefetch)
+        if rerecord and key in self._orders:
+            self._drop_order(key, reason="rerecord=True")
+        order = self._orders.get(key)
+        if order is None:
+            return Record()
+        if self.config.check_ranks and key not in self._verified:
+            self._verify_across_ranks(key, order)
+        return Replay(Cursor(order, depth=self._depth), self._window, count_prefetch)
 
     def _close_auto_scope(self, scope: _Scope) -> None:
         """An automatic scope still open at the next root forward or optimizer step."""
@@ -315,33 +300,15 @@ class PrefetchScheduler:
             if scope.key in self._orders:
                 self._drop_order(scope.key, reason=failure)
             return
-        if scope.recording is not None:
-            if entries := scope.recording.entries:
+        strategy = scope.strategy
+        if isinstance(strategy, Record):
+            if entries := strategy.recording.entries:
                 self._orders[scope.key] = ExecutionOrder(entries)
                 self._verified.discard(scope.key)
                 self.stats.count(scope.key, "recordings")
                 logger.debug("fsdp_replay: recorded %d demands for scope %r", len(entries), scope.key)
-            return
-        cursor = scope.cursor
-        if cursor is not None and not scope.demand_only and not cursor.done:
-            self._diverge(
-                scope,
-                f"scope {scope.key!r} ended after {cursor.position} of {len(cursor.order)} recorded demands; "
-                f"next expected {cursor.expected.describe()}",
-            )
-
-    def _replay_matches(self, scope: _Scope, unit: Unit, phase: Phase) -> bool:
-        cursor = scope.cursor
-        expected = cursor.expected
-        if expected is not None and expected.matches(unit, phase):
-            return True
-        self._diverge(
-            scope,
-            f"scope {scope.key!r} diverged at demand {cursor.position}: expected "
-            f"{expected.describe() if expected is not None else 'the end of the recorded order'}, "
-            f"got ({unit.fqn!r}, {phase.value!r})",
-        )
-        return False
+        elif isinstance(strategy, Replay) and (unfinished := strategy.unfinished()) is not None:
+            self._diverge(scope, f"scope {scope.key!r} {unfinished}")
 
     def _diverge(self, scope: _Scope, detail: str) -> None:
         self.stats.count(scope.key, "divergences")
@@ -351,7 +318,7 @@ class PrefetchScheduler:
             raise PrefetchDivergenceError(f"fsdp_replay: {detail} (on_divergence='raise')")
 
     def _go_demand_only(self, scope: _Scope) -> None:
-        scope.demand_only = True
+        scope.strategy = DEMAND_ONLY
         self.stats.count(scope.key, "wasted", self._window.release_all())
 
     def _drop_order(self, key: str, *, reason: str) -> None:
@@ -359,79 +326,15 @@ class PrefetchScheduler:
             self._verified.discard(key)
             logger.warning("fsdp_replay: invalidated the recorded order of %r: %s", key, reason)
 
-    # --- prefetch --------------------------------------------------------------------------------
-
-    def _refill(self, scope: _Scope, demanded: Unit | None = None) -> None:
-        """Provide for the next entries of the cursor's lookahead, nearest first.
-
-        At most ``depth`` all-gathers are in flight ahead. A unit in use now (``demanded``, about
-        to run, or an outer unit still running) that its entry needs again is not resharded and
-        gathered again: it is kept unsharded, which costs its bytes but no gather slot. A unit
-        already unsharded or gathering by someone else's doing needs nothing.
-        """
-        cursor = scope.cursor
-        if cursor is None or scope.demand_only:
-            return
-        ahead = cursor.lookahead()
-        gathers = 0
-        for entry in ahead.entries:
-            unit = entry.unit
-            held = self._window.holds(unit)
-            if held is not None:
-                gathers += held is Held.prefetched
-                continue
-            state = unit.state
-            in_use = unit is demanded or _compat.in_use(state)
-            if not in_use and not _compat.is_sharded_idle(state):
-                continue  # resident or gathering already (accumulation settings, a user's unshard)
-            if (not in_use and gathers >= ahead.gathers) or not self._window.fits(unit):
-                return  # the next demand frees a slot or room
-            if in_use:
-                if not self._window.may_keep(unit):
-                    return  # cannot keep it (no FSDP2 internals, or stale values): nothing later may jump the queue
-                self._window.keep(unit)
-            elif self._window.prefetch(unit, backward=not entry.phase.in_forward):
-                gathers += 1
-                self.stats.count(scope.key, "prefetches")
-
-    def _prefetch_static(self, scope: _Scope, unit: Unit, phase: Phase) -> None:
-        """Module-tree order in forward, its reverse in backward: the attach-time guess.
-
-        A wrong guess stays pending until its unit is used, so the gathers already held count
-        against the depth: memory stays within ``depth`` units ahead however often it guesses wrong.
-        """
-        depth = self._depth.of(phase)
-        for successor in self._static_next[phase.in_forward][unit][:depth]:
-            if len(self._window) >= depth:
-                return
-            if not _compat.is_sharded_idle(successor.state):
-                continue
-            if not self._window.fits(successor):
-                return
-            if self._window.prefetch(successor, backward=not phase.in_forward):
-                self.stats.count(scope.key, "prefetches")
-
-    # --- cross-rank check -----------------------------------------------------------------------
-
     def _verify_across_ranks(self, key: str, order: ExecutionOrder) -> None:
-        """Compare length + digest over the units' process group; on mismatch raise on every rank."""
-        state = self.units[0].state
-        group = _compat.process_group(state)
-        if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
-            self._verified.add(key)
-            return
-        with _compat.trace("fsdp_replay::check_ranks", key):
-            mine = torch.tensor([len(order), order.digest()], dtype=torch.int64, device=_compat.device(state))
-            # Pre-filled with our own value: a no-op (fake) backend then compares equal.
-            gathered = [mine.clone() for _ in range(dist.get_world_size(group))]
-            dist.all_gather(gathered, mine, group=group)
-            if all(torch.equal(g, mine) for g in gathered):
-                self._verified.add(key)
-                return
-            all_orders: list[Any] = [order.to_state() for _ in gathered]
-            dist.all_gather_object(all_orders, order.to_state(), group=group)
-        self._orders.pop(key, None)
-        raise RankMismatchError(_describe_rank_mismatch(key, all_orders))
+        try:
+            check_across_ranks(key, order, self.units[0].state)
+        except RankMismatchError:
+            self._orders.pop(key, None)
+            raise
+        self._verified.add(key)
+
+    # --- helpers ---------------------------------------------------------------------------------
 
     def _steps_our_params(self, optimizer: torch.optim.Optimizer) -> bool:
         if optimizer not in self._optimizers_seen:
@@ -445,30 +348,16 @@ class PrefetchScheduler:
             raise RuntimeError("this PrefetchScheduler was detached; attach() a new one")
 
 
-def _static_successors(units: list[Unit]) -> dict[bool, dict[Unit, list[Unit]]]:
-    """For each unit, the units after it in forward (True) and backward (False) static order."""
-    backward = list(reversed(units))
-    return {
-        True: {u: units[i + 1 :] for i, u in enumerate(units)},
-        False: {u: backward[i + 1 :] for i, u in enumerate(backward)},
-    }
+def _weak_counter(scheduler: PrefetchScheduler, key: str, counter: str) -> Callable[[], None]:
+    """Counts one ``counter`` under ``key`` in the scheduler's current stats (``reset_stats()``
+    replaces them); held by a scope's strategy, so it holds the scheduler weakly."""
+    ref = weakref.ref(scheduler)
 
+    def count() -> None:
+        if (live := ref()) is not None:
+            live.stats.count(key, counter)
 
-def _describe_rank_mismatch(key: str, orders: list[list[tuple]]) -> str:
-    reference = orders[0]
-    lines = [f"fsdp_replay: ranks recorded different demand orders for scope {key!r} (check_ranks=True):"]
-    for rank, order in enumerate(orders[1:], start=1):
-        if order == reference:
-            continue
-        pos = first_difference(reference, order)
-        ref = reference[pos][:2] if pos < len(reference) else "end of order"
-        got = order[pos][:2] if pos < len(order) else "end of order"
-        lines.append(
-            f"  first difference at demand {pos}: rank 0 has {ref}, rank {rank} has {got} "
-            f"(lengths {len(reference)} vs {len(order)})"
-        )
-    lines.append("Every rank must run the same units in the same order; replay would mismatch collectives.")
-    return "\n".join(lines)
+    return count
 
 
 def _weak_step_hook(scheduler: PrefetchScheduler) -> Any:
