@@ -28,7 +28,7 @@ class PrefetchWindow:
     Every decision here depends only on the recorded order and on unit sizes, which all ranks
     share, so all ranks issue the same all-gathers in the same order. Another party's reshard,
     unshard or reset of a held unit (see [Note: fsdp_replay never owns FSDP2's settings] in
-    ``_compat``) hands it over: :meth:`take` drops it without touching FSDP2.
+    ``_compat/intercept.py``) hands it over: :meth:`take` drops it without touching FSDP2.
     """
 
     def __init__(self, *, max_bytes: int | None, can_keep: bool) -> None:
