@@ -22,11 +22,11 @@ import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fsdp_replay import _compat
-from fsdp_replay.config import PrefetchConfig, PrefetchMode
+from fsdp_replay.config import DivergencePolicy, PrefetchConfig, PrefetchMode
 from fsdp_replay.hooks import HookSet
 from fsdp_replay.order import Cursor, Depth, ExecutionOrder, Phase
 from fsdp_replay.ranks import RankMismatchError, check_across_ranks
-from fsdp_replay.stats import PrefetchStats
+from fsdp_replay.stats import Count, Demand, PrefetchStats
 from fsdp_replay.strategies import DEMAND_ONLY, Record, Replay, ScopeMode, Static, Strategy, static_successors
 from fsdp_replay.units import Unit, discover_units
 from fsdp_replay.window import Held, PrefetchWindow
@@ -201,15 +201,15 @@ class PrefetchScheduler:
     def on_demand(self, unit: Unit, phase: Phase) -> None:
         scope = self._scope
         key = scope.key if scope is not None else None
-        kind = _compat.demand_kind(unit.state)
-        self.stats.count(key, "demands")
-        self.stats.count(key, kind)
-        if self._window.demanded(unit, missed=kind == "misses"):
-            self.stats.count(key, "dropped")
+        demand = _compat.classify_demand(unit.state)
+        self.stats.count(key, Count.demands)
+        self.stats.count(key, demand.counter)
+        if self._window.demanded(unit, missed=demand is Demand.miss):
+            self.stats.count(key, Count.dropped)
         if scope is None or scope.strategy.mode is ScopeMode.demand:
             return
         scope.backward_started |= phase is Phase.backward
-        if (divergence := scope.strategy.on_demand(unit, phase, kind)) is not None:
+        if (divergence := scope.strategy.on_demand(unit, phase, demand)) is not None:
             self._diverge(scope, f"scope {scope.key!r} {divergence}")
 
     def on_lifecycle_reshard(self, unit: Unit) -> bool:
@@ -218,7 +218,7 @@ class PrefetchScheduler:
         if first is None:
             return False
         if first:
-            self.stats.count(self._scope.key if self._scope is not None else None, "kept")
+            self.stats.count(self._scope.key if self._scope is not None else None, Count.kept)
         return True
 
     def on_other_party(self, unit: Unit, call: _compat.OtherPartyCall) -> None:
@@ -232,7 +232,7 @@ class PrefetchScheduler:
             return
         if held is Held.prefetched and call == "reshard":
             _compat.release(unit.state)
-        self.stats.count(self._scope.key if self._scope is not None else None, "dropped")
+        self.stats.count(self._scope.key if self._scope is not None else None, Count.dropped)
 
     def on_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         if not self._steps_our_params(optimizer):
@@ -252,7 +252,7 @@ class PrefetchScheduler:
                     scope.key,
                     len(self._window),
                 )
-            self.stats.count(scope.key, "wasted", self._window.release_all())
+            self.stats.count(scope.key, Count.wasted, self._window.release_all())
 
     # --- scopes ----------------------------------------------------------------------------------
 
@@ -274,7 +274,7 @@ class PrefetchScheduler:
         mode = self.config.mode
         if mode is PrefetchMode.demand:
             return DEMAND_ONLY
-        count_prefetch = _weak_counter(self, key, "prefetches")
+        count_prefetch = _weak_counter(self, key, Count.prefetches)
         if mode is PrefetchMode.static:
             return Static(self._static_successors, self._depth, self._window, count_prefetch)
         if rerecord and key in self._orders:
@@ -295,7 +295,7 @@ class PrefetchScheduler:
 
     def _end_scope(self, scope: _Scope, *, failure: str | None = None) -> None:
         self._scope = None
-        self.stats.count(scope.key, "wasted", self._window.release_all())
+        self.stats.count(scope.key, Count.wasted, self._window.release_all())
         if failure is not None:
             if scope.key in self._orders:
                 self._drop_order(scope.key, reason=failure)
@@ -305,21 +305,21 @@ class PrefetchScheduler:
             if entries := strategy.recording.entries:
                 self._orders[scope.key] = ExecutionOrder(entries)
                 self._verified.discard(scope.key)
-                self.stats.count(scope.key, "recordings")
+                self.stats.count(scope.key, Count.recordings)
                 logger.debug("fsdp_replay: recorded %d demands for scope %r", len(entries), scope.key)
         elif isinstance(strategy, Replay) and (unfinished := strategy.unfinished()) is not None:
             self._diverge(scope, f"scope {scope.key!r} {unfinished}")
 
     def _diverge(self, scope: _Scope, detail: str) -> None:
-        self.stats.count(scope.key, "divergences")
+        self.stats.count(scope.key, Count.divergences)
         self._go_demand_only(scope)
         self._drop_order(scope.key, reason=detail)
-        if self.config.on_divergence == "raise":
+        if self.config.on_divergence is DivergencePolicy.raise_:
             raise PrefetchDivergenceError(f"fsdp_replay: {detail} (on_divergence='raise')")
 
     def _go_demand_only(self, scope: _Scope) -> None:
         scope.strategy = DEMAND_ONLY
-        self.stats.count(scope.key, "wasted", self._window.release_all())
+        self.stats.count(scope.key, Count.wasted, self._window.release_all())
 
     def _drop_order(self, key: str, *, reason: str) -> None:
         if self._orders.pop(key, None) is not None:
@@ -348,7 +348,7 @@ class PrefetchScheduler:
             raise RuntimeError("this PrefetchScheduler was detached; attach() a new one")
 
 
-def _weak_counter(scheduler: PrefetchScheduler, key: str, counter: str) -> Callable[[], None]:
+def _weak_counter(scheduler: PrefetchScheduler, key: str, counter: Count) -> Callable[[], None]:
     """Counts one ``counter`` under ``key`` in the scheduler's current stats (``reset_stats()``
     replaces them); held by a scope's strategy, so it holds the scheduler weakly."""
     ref = weakref.ref(scheduler)

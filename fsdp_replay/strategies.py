@@ -16,6 +16,7 @@ from typing import Callable, Protocol
 
 from fsdp_replay import _compat
 from fsdp_replay.order import Cursor, Depth, Phase, Recording
+from fsdp_replay.stats import Demand
 from fsdp_replay.units import Unit
 from fsdp_replay.window import Held, PrefetchWindow
 
@@ -39,7 +40,7 @@ class ScopeMode(enum.Enum):
 class Strategy(Protocol):
     mode: ScopeMode
 
-    def on_demand(self, unit: Unit, phase: Phase, kind: str) -> str | None:
+    def on_demand(self, unit: Unit, phase: Phase, demand: Demand) -> str | None:
         """Act on a demand the scheduler has classified; returns why it left the order, if it did."""
 
     def end_backward(self) -> None:
@@ -49,9 +50,9 @@ class Strategy(Protocol):
         """Provide for what comes next: at an explicit scope's start and after each of its backwards."""
 
 
-def gather_at_demand(unit: Unit, phase: Phase, kind: str) -> None:
+def gather_at_demand(unit: Unit, phase: Phase, demand: Demand) -> None:
     """Issue the demanded unit's missing gather before any prefetch, so it is not queued behind them."""
-    if kind == "misses" and _compat.may_gather(state := unit.state):
+    if demand is Demand.miss and _compat.may_gather(state := unit.state):
         with _compat.trace("fsdp_replay::gather_at_demand", unit.fqn):
             _compat.issue_unshard(state, backward=not phase.in_forward)
 
@@ -61,7 +62,7 @@ class DemandOnly:
 
     mode = ScopeMode.demand
 
-    def on_demand(self, unit: Unit, phase: Phase, kind: str) -> None:
+    def on_demand(self, unit: Unit, phase: Phase, demand: Demand) -> None:
         pass
 
     def end_backward(self) -> None:
@@ -86,9 +87,9 @@ class Record:
     def __init__(self) -> None:
         self.recording = Recording()
 
-    def on_demand(self, unit: Unit, phase: Phase, kind: str) -> None:
+    def on_demand(self, unit: Unit, phase: Phase, demand: Demand) -> None:
         with _compat.trace("fsdp_replay::record", unit.fqn, phase.value):
-            self.recording.append(unit, phase, needs_gather=kind != "resident")
+            self.recording.append(unit, phase, needs_gather=demand is not Demand.resident)
 
     def end_backward(self) -> None:
         self.recording.end_backward()
@@ -111,7 +112,7 @@ class Replay:
         self._window = window
         self._count_prefetch = count_prefetch
 
-    def on_demand(self, unit: Unit, phase: Phase, kind: str) -> str | None:
+    def on_demand(self, unit: Unit, phase: Phase, demand: Demand) -> str | None:
         cursor = self.cursor
         expected = cursor.expected
         if expected is None or not expected.matches(unit, phase):
@@ -120,7 +121,7 @@ class Replay:
                 f"{expected.describe() if expected is not None else 'the end of the recorded order'}, "
                 f"got ({unit.fqn!r}, {phase.value!r})"
             )
-        gather_at_demand(unit, phase, kind)
+        gather_at_demand(unit, phase, demand)
         cursor.advance()
         self.provide(demanded=unit)
         return None
@@ -189,8 +190,8 @@ class Static:
         self._window = window
         self._count_prefetch = count_prefetch
 
-    def on_demand(self, unit: Unit, phase: Phase, kind: str) -> None:
-        gather_at_demand(unit, phase, kind)
+    def on_demand(self, unit: Unit, phase: Phase, demand: Demand) -> None:
+        gather_at_demand(unit, phase, demand)
         depth = self._depth.of(phase)
         window = self._window
         for successor in self._successors[phase.in_forward][unit][:depth]:

@@ -39,8 +39,8 @@ from fsdp_replay._compat.intercept import (
     stop_reporting_pre_backward,
 )
 from fsdp_replay._compat.state import (
+    classify_demand,
     completes_forward,
-    demand_kind,
     device,
     fsdp_state,
     grad_tensors,

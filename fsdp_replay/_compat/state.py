@@ -11,6 +11,7 @@ from torch.utils._pytree import tree_leaves
 
 from fsdp_replay._compat import public
 from fsdp_replay._compat.guard import INTERNALS_OK
+from fsdp_replay.stats import Demand
 
 if INTERNALS_OK:
     from torch.distributed._composable_state import _get_module_state
@@ -73,13 +74,13 @@ def device(state: Any) -> torch.device:
 # --- gather state, read at demand time ---------------------------------------------------------
 
 
-def demand_kind(state: Any) -> str:
-    """How a demand finds the unit: ``"hits"`` (gather pending), ``"resident"`` or ``"misses"``."""
+def classify_demand(state: Any) -> Demand:
+    """How a demand finds the unit: a gather pending (hit), unsharded (resident), or neither (miss)."""
     if is_pending(state):
         if not INTERNALS_OK:
             del public.pending[state]  # FSDP2's pre-hook waits on it now
-        return "hits"
-    return "resident" if is_resident(state) else "misses"
+        return Demand.hit
+    return Demand.resident if is_resident(state) else Demand.miss
 
 
 def is_pending(state: Any) -> bool:

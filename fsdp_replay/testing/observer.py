@@ -1,4 +1,8 @@
-"""An independent witness: reads FSDP2's own state at each demand, without the scheduler's counters."""
+"""An independent witness: reads FSDP2's own state at each demand, without the scheduler's counters.
+
+It reads FSDP2's internals itself rather than through ``fsdp_replay._compat``, so its account does
+not rest on the code it checks; it shares only the vocabulary (:class:`~fsdp_replay.stats.Demand`).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,8 @@ import torch.nn as nn
 from torch.distributed._composable_state import _get_module_state
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+from fsdp_replay.stats import Demand
 
 
 def fsdp_units(root: nn.Module) -> dict[str, Any]:
@@ -31,13 +37,13 @@ def held_units(root: nn.Module) -> list[str]:
     ]
 
 
-def _gather_state(state: Any) -> str:
+def _gather_state(state: Any) -> Demand:
     groups = state._fsdp_param_groups
     if any(g._all_gather_result is not None for g in groups):
-        return "hit"
+        return Demand.hit
     if all(g.is_unsharded for g in groups):
-        return "resident"
-    return "miss"
+        return Demand.resident
+    return Demand.miss
 
 
 class DemandObserver:
@@ -47,7 +53,7 @@ class DemandObserver:
     """
 
     def __init__(self, root: nn.Module) -> None:
-        self.log: list[tuple[str, str, str]] = []
+        self.log: list[tuple[str, str, Demand]] = []
         self._handles = []
         for label, state in fsdp_units(root).items():
             for m in state._modules:
@@ -81,12 +87,12 @@ class DemandObserver:
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 t.register_hook(hook)
 
-    def take(self) -> list[tuple[str, str, str]]:
+    def take(self) -> list[tuple[str, str, Demand]]:
         log, self.log = self.log, []
         return log
 
     @staticmethod
-    def counts(log: list[tuple[str, str, str]]) -> dict[str, int]:
+    def counts(log: list[tuple[str, str, Demand]]) -> dict[Demand, int]:
         return dict(collections.Counter(kind for _, _, kind in log))
 
     def remove(self) -> None:

@@ -3,7 +3,7 @@ import weakref
 import pytest
 
 from fsdp_replay.order import Cursor, Depth, Entry, ExecutionOrder, Phase, first_difference
-from fsdp_replay.stats import PrefetchStats
+from fsdp_replay.stats import Count, Demand, KeyStats, PrefetchStats
 from fsdp_replay.units import Unit
 
 
@@ -97,3 +97,8 @@ def test_stats_keep_totals_and_per_key_breakdown():
     stats.count("eval", "resident")
     assert stats.demands == 4 and stats.per_key["train"].hits == 2 and stats.per_key["eval"].resident == 1
     assert stats.hit_rate == pytest.approx(0.75)
+
+
+def test_counters_name_every_stats_field_and_each_demand_class_its_counter():
+    assert [c.value for c in Count] == list(KeyStats().as_dict())
+    assert {d: d.counter for d in Demand} == {Demand.hit: Count.hits, Demand.miss: Count.misses, Demand.resident: Count.resident}
