@@ -2,7 +2,7 @@
 
 Data flow: a hook reports a demand ``(unit, phase)`` → the scheduler classifies and counts it,
 takes the unit out of the :class:`PrefetchWindow` and hands the demand to the scope's strategy
-(``strategies.py``): while recording it is appended to the scope's :class:`Recording`, which
+(``_strategies.py``): while recording it is appended to the scope's :class:`Recording`, which
 becomes the key's :class:`ExecutionOrder` when the scope succeeds → a later scope walks that
 order with a :class:`Cursor`, checking each demand, and provides for the next entries through the
 window (an all-gather issued early, or a unit in use kept unsharded for its next use) → the
@@ -22,14 +22,14 @@ import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fsdp_replay import _compat
+from fsdp_replay._hooks import HookSet
+from fsdp_replay._order import Cursor, Depth, ExecutionOrder, Phase
+from fsdp_replay._ranks import RankMismatchError, check_across_ranks
+from fsdp_replay._strategies import DEMAND_ONLY, Record, Replay, ScopeMode, Static, Strategy, static_successors
+from fsdp_replay._units import Unit, discover_units
+from fsdp_replay._window import Held, PrefetchWindow
 from fsdp_replay.config import DivergencePolicy, PrefetchConfig, PrefetchMode
-from fsdp_replay.hooks import HookSet
-from fsdp_replay.order import Cursor, Depth, ExecutionOrder, Phase
-from fsdp_replay.ranks import RankMismatchError, check_across_ranks
 from fsdp_replay.stats import Count, Demand, PrefetchStats
-from fsdp_replay.strategies import DEMAND_ONLY, Record, Replay, ScopeMode, Static, Strategy, static_successors
-from fsdp_replay.units import Unit, discover_units
-from fsdp_replay.window import Held, PrefetchWindow
 
 logger = logging.getLogger("fsdp_replay")
 

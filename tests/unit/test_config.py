@@ -1,7 +1,7 @@
 import pytest
 
 from fsdp_replay import Phase, PrefetchConfig, PrefetchMode
-from fsdp_replay.order import Depth
+from fsdp_replay._order import Depth
 
 
 def test_defaults_are_record_and_replay_depth_one():

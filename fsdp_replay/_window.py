@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 
 from fsdp_replay import _compat
-from fsdp_replay.units import Unit
+from fsdp_replay._units import Unit
 
 
 class Held(enum.Enum):

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_replay import _compat
-from fsdp_replay.order import ExecutionOrder, first_difference
+from fsdp_replay._order import ExecutionOrder, first_difference
 
 
 class RankMismatchError(RuntimeError):

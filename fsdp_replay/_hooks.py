@@ -25,8 +25,8 @@ import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
 from fsdp_replay import _compat
-from fsdp_replay.order import Phase
-from fsdp_replay.units import Unit
+from fsdp_replay._order import Phase
+from fsdp_replay._units import Unit
 
 
 class SchedulerEvents(Protocol):

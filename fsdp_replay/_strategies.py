@@ -4,7 +4,7 @@ The scheduler classifies and counts a demand, then hands it to its scope's strat
 decides what to provide for next: :class:`Record` appends it to a recording, :class:`Replay`
 checks it against the recorded order and refills from the order's lookahead, :class:`Static`
 prefetches the unit's module-tree successors, and :class:`DemandOnly` does nothing. What comes
-next is the order's to say (``order.py``); what is held is the window's (``window.py``). A
+next is the order's to say (``_order.py``); what is held is the window's (``_window.py``). A
 strategy never changes its scope's mode: a replay that leaves its order returns why, and the
 scheduler switches the scope to :data:`DEMAND_ONLY`.
 """
@@ -15,10 +15,10 @@ import enum
 from typing import Callable, Protocol
 
 from fsdp_replay import _compat
-from fsdp_replay.order import Cursor, Depth, Phase, Recording
+from fsdp_replay._order import Cursor, Depth, Phase, Recording
+from fsdp_replay._units import Unit
+from fsdp_replay._window import Held, PrefetchWindow
 from fsdp_replay.stats import Demand
-from fsdp_replay.units import Unit
-from fsdp_replay.window import Held, PrefetchWindow
 
 CountPrefetch = Callable[[], None]
 """Counts one prefetch issued under the scope's key (the scheduler's stats may be replaced)."""

@@ -13,7 +13,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
-from fsdp_replay.units import Unit
+from fsdp_replay._units import Unit
 
 
 class Phase(enum.Enum):
