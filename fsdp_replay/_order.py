@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import logging
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 from fsdp_replay._units import Unit
+
+logger = logging.getLogger("fsdp_replay")
 
 
 class Phase(enum.Enum):
@@ -146,6 +149,52 @@ class ExecutionOrder:
         for fqn, phase, needs_gather, segment in self.to_state():
             h.update(f"{fqn}\0{phase}\0{int(needs_gather)}\0{segment}\n".encode())
         return int.from_bytes(h.digest()[:8], "little") >> 2
+
+
+class RecordedOrders:
+    """The installed order of each scope key, and which of them the ranks have compared."""
+
+    def __init__(self) -> None:
+        self._orders: dict[str, ExecutionOrder] = {}
+        self._checked: set[str] = set()
+
+    def get(self, key: str) -> ExecutionOrder | None:
+        return self._orders.get(key)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._orders
+
+    def keys(self) -> list[str]:
+        return list(self._orders)
+
+    def install(self, key: str, entries: Sequence[Entry]) -> None:
+        self._orders[key] = ExecutionOrder(entries)
+        self._checked.discard(key)
+
+    def drop(self, key: str, *, reason: str) -> None:
+        """Forget ``key``'s order (its next scope records again), saying why in the log."""
+        if self._orders.pop(key, None) is not None:
+            self._checked.discard(key)
+            logger.warning("fsdp_replay: invalidated the recorded order of %r: %s", key, reason)
+
+    def discard_unchecked(self, key: str) -> None:
+        """Forget ``key``'s order without a log line: the ranks disagree on it, and an error says so."""
+        self._orders.pop(key, None)
+
+    def needs_check(self, key: str) -> bool:
+        return key not in self._checked
+
+    def checked(self, key: str) -> None:
+        self._checked.add(key)
+
+    def to_state(self) -> dict[str, list[tuple[str, str, bool, int]]]:
+        return {key: order.to_state() for key, order in self._orders.items()}
+
+    def load_state(self, state: dict[str, Any], units: dict[str, Unit]) -> None:
+        """Replace every order with those of ``state`` (all or none: a bad entry raises first)."""
+        orders = {key: ExecutionOrder.from_state(items, units) for key, items in state.items()}
+        self._orders = orders
+        self._checked.clear()  # loaded orders are compared across ranks before first use
 
 
 def first_difference(a: Sequence, b: Sequence) -> int:

@@ -136,12 +136,12 @@ class PrefetchWindow:
         """
         wasted = len(self)
         for unit in self._prefetched:
-            state = unit._state()
+            state = unit.state_or_none()
             if state is not None and _compat.is_pending(state):
                 with _compat.trace("fsdp_replay::release", unit.fqn):
                     _compat.release(state)
         for unit, skipped in self._kept.items():
-            if skipped and (state := unit._state()) is not None:
+            if skipped and (state := unit.state_or_none()) is not None:
                 with _compat.trace("fsdp_replay::release", unit.fqn):
                     _compat.reshard_if_idle(state)
         self._prefetched.clear()

@@ -1,17 +1,16 @@
-"""The scheduler: iteration scopes, and dispatch of their events to each scope's strategy.
+"""The scheduler: iteration scopes, and dispatch of the hooks' events to each scope's strategy.
 
 Data flow: a hook reports a demand ``(unit, phase)`` → the scheduler classifies and counts it,
-takes the unit out of the :class:`PrefetchWindow` and hands the demand to the scope's strategy
-(``_strategies.py``): while recording it is appended to the scope's :class:`Recording`, which
-becomes the key's :class:`ExecutionOrder` when the scope succeeds → a later scope walks that
-order with a :class:`Cursor`, checking each demand, and provides for the next entries through the
-window (an all-gather issued early, or a unit in use kept unsharded for its next use) → the
-scope's end releases whatever is left.
+takes the unit out of the :class:`PrefetchWindow` and hands it to the scope's strategy
+(``_strategies.py``), which records it, or checks it against the recorded order and provides for
+what comes next through the window → the scope's end installs a recording as the key's order
+and releases whatever the window still holds. README.md "How it behaves" walks it file by file.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import weakref
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fsdp_replay import _compat
 from fsdp_replay._hooks import HookSet
-from fsdp_replay._order import Cursor, Depth, ExecutionOrder, Phase
+from fsdp_replay._order import Cursor, Depth, Phase, RecordedOrders
 from fsdp_replay._ranks import RankMismatchError, check_across_ranks
 from fsdp_replay._strategies import DEMAND_ONLY, Record, Replay, ScopeMode, Static, Strategy, static_successors
 from fsdp_replay._units import Unit, discover_units
@@ -68,8 +67,7 @@ class PrefetchScheduler:
             raise ValueError(f"attach(): no fully_shard unit with parameters under {type(root).__name__}")
         self._units_by_fqn = {u.fqn: u for u in self.units}
         self._static_successors = static_successors(self.units)
-        self._orders: dict[str, ExecutionOrder] = {}
-        self._verified: set[str] = set()
+        self._orders = RecordedOrders()
         self._scope: _Scope | None = None
         self._depth = Depth(config.forward_prefetch, config.backward_prefetch)
         self._param_ids = {id(p) for p in root.parameters()}
@@ -80,7 +78,7 @@ class PrefetchScheduler:
         can_keep = all([self._hooks.register_unit(unit) for unit in self.units])
         self._window = PrefetchWindow(max_bytes=config.max_prefetch_bytes, can_keep=can_keep)
         self._hooks.register_root(root)
-        self._optimizer_hook = register_optimizer_step_pre_hook(_weak_step_hook(self))
+        self._optimizer_hook = register_optimizer_step_pre_hook(_weakly(self._on_optimizer_step))
         weakref.finalize(self, self._optimizer_hook.remove)
         self.attached = True
 
@@ -92,12 +90,29 @@ class PrefetchScheduler:
 
     @contextlib.contextmanager
     def iteration(self, key: str = "train", *, rerecord: bool = False) -> Iterator[None]:
-        """One optimizer step's worth of forwards and backwards (all microbatches).
+        """A scope: one optimizer step's worth of forwards and backwards (all its microbatches).
 
-        The first successful scope of ``key`` records its demand order; later ones replay it.
-        Call ``optimizer.step()`` after the scope, so no prefetch is pending across it.
+        The first successful scope of ``key`` records its demand order; later ones replay it (in
+        ``record_and_replay`` mode). Call ``optimizer.step()`` after the scope, so no prefetch is
+        pending across it. A scope that exits with an exception keeps no recording, drops a
+        replayed order, and calls FSDP2's ``reset_iter_state()`` on the root.
+
+        Args:
+            key: names the order; one key per distinct sequence of demands (``"train"``, ``"eval"``).
+                ``"auto:"`` keys are for automatic scopes: outside ``iteration()`` each root forward
+                up to the end of its backward is one (``"auto:grad"`` or ``"auto:no_grad"``).
+            rerecord: drop the key's order first, so this scope records it again.
+
+        Raises:
+            ValueError: ``key`` is not a non-empty string, or starts with ``"auto:"``.
+            RuntimeError: the scheduler was detached, or this scope would nest in another one.
+            RankMismatchError: with ``check_ranks``, ranks recorded different orders for ``key``
+                (raised on every rank, before the first replay of that order).
+            PrefetchDivergenceError: with ``on_divergence="raise"``, a demand in the scope (or its
+                end) left the recorded order.
         """
-        self._check_attached()
+        if not self.attached:
+            raise RuntimeError("this PrefetchScheduler was detached; attach() a new one")
         if not isinstance(key, str) or not key or key.startswith("auto:"):
             raise ValueError(f"iteration(key=...) must be a non-empty string not starting with 'auto:', got {key!r}")
         if self._scope is not None and self._scope.explicit:
@@ -118,14 +133,28 @@ class PrefetchScheduler:
         self._end_scope(scope)
 
     def recorded_order(self, key: str) -> list[tuple[str, str]] | None:
-        """The recorded ``(unit FQN, phase)`` sequence of ``key``, or None if none is installed."""
+        """The recorded order of ``key``.
+
+        Args:
+            key: a scope key, as given to :meth:`iteration` (or ``"auto:grad"`` / ``"auto:no_grad"``).
+
+        Returns:
+            Its ``(unit FQN, phase)`` sequence, or None if no order of ``key`` is installed.
+        """
         order = self._orders.get(key)
         return order.as_list() if order is not None else None
 
     def invalidate(self, key: str | None = None) -> None:
-        """Drop one key's recorded order, or all of them; the next scope of that key re-records."""
-        for k in list(self._orders) if key is None else [key]:
-            self._drop_order(k, reason="invalidate() was called")
+        """Drop recorded orders; the next scope of such a key records again.
+
+        Args:
+            key: the key whose order to drop; None drops every order. An unknown key is ignored.
+
+        .. note::
+            Called inside a scope that replays a dropped order, the scope finishes demand-only.
+        """
+        for k in self._orders.keys() if key is None else [key]:
+            self._orders.drop(k, reason="invalidate() was called")
         scope = self._scope
         if scope is not None and scope.strategy.mode is ScopeMode.replay and scope.key not in self._orders:
             self._go_demand_only(scope)
@@ -134,21 +163,43 @@ class PrefetchScheduler:
         self.stats = PrefetchStats()
 
     def state_dict(self) -> dict[str, Any]:
-        """Recorded orders keyed by unit FQN (picklable), so a resumed run replays from its first step."""
-        return {"version": STATE_DICT_VERSION, "orders": {k: o.to_state() for k, o in self._orders.items()}}
+        """The recorded orders, so that a resumed run replays from its first step.
+
+        Returns:
+            A picklable dict (a version and each key's order, units named by FQN) for
+            :meth:`load_state_dict`; save it with the model's checkpoint.
+        """
+        return {"version": STATE_DICT_VERSION, "orders": self._orders.to_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Install the orders of a :meth:`state_dict`, replacing every order recorded so far.
+
+        Args:
+            state: what :meth:`state_dict` returned, for a model with the same units.
+
+        Raises:
+            ValueError: the state's version is not supported, or an order names a unit this model
+                does not have. The installed orders are then left as they were.
+
+        .. note::
+            With ``check_ranks``, each loaded order is compared across ranks before its first replay.
+        """
         if state.get("version") != STATE_DICT_VERSION:
             raise ValueError(
                 f"fsdp_replay state_dict version {state.get('version')!r} is not supported "
                 f"(expected {STATE_DICT_VERSION})"
             )
-        orders = {k: ExecutionOrder.from_state(v, self._units_by_fqn) for k, v in state["orders"].items()}
-        self._orders = orders
-        self._verified.clear()  # loaded orders are compared across ranks before first use
+        self._orders.load_state(state["orders"], self._units_by_fqn)
 
     def detach(self) -> None:
-        """Remove every hook and restore FSDP2's own prefetch settings, as if never attached."""
+        """Remove every hook and restore FSDP2's own prefetch settings, as if never attached.
+
+        Whatever is held ahead of use is released, and an automatic scope still open ends as failed.
+        Calling it again does nothing.
+
+        Raises:
+            RuntimeError: called inside :meth:`iteration`.
+        """
         if not self.attached:
             return
         if self._scope is not None and self._scope.explicit:
@@ -159,14 +210,15 @@ class PrefetchScheduler:
         self._hooks.remove()
         self._optimizer_hook.remove()
         for unit, (saved, installed) in self._saved_prefetch.items():
-            if (state := unit._state()) is not None:
+            if (state := unit.state_or_none()) is not None:
                 _compat.restore_own_prefetch(state, saved, installed)
         self._saved_prefetch.clear()
         self.attached = False
 
-    # --- events reported by the hooks -------------------------------------------------------------
+    # --- events reported by the hooks (SchedulerEvents; [Note: hook order and the end of backward])
 
     def on_root_pre_forward(self) -> None:
+        """The root's forward starts: outside ``iteration()`` it opens an automatic scope."""
         root_state = self._root_state()
         if root_state is not None and _compat.is_root_initialized_as_child(root_state):
             raise RuntimeError(
@@ -180,6 +232,7 @@ class PrefetchScheduler:
         self._begin_scope(AUTO_KEY_GRAD if torch.is_grad_enabled() else AUTO_KEY_NO_GRAD, explicit=False)
 
     def on_root_post_forward(self, *, backward_follows: bool, failed: bool) -> None:
+        """The root's forward ended: an automatic scope with no backward to come ends here."""
         scope = self._scope
         if scope is None or scope.explicit:
             return
@@ -189,6 +242,7 @@ class PrefetchScheduler:
             self._end_scope(scope)  # otherwise the scope ends with its backward
 
     def on_backward_end(self) -> None:
+        """FSDP2's root post-backward callback ran: a segment of the scope ends."""
         scope = self._scope
         if scope is None:
             return
@@ -199,6 +253,7 @@ class PrefetchScheduler:
             scope.strategy.provide()
 
     def on_demand(self, unit: Unit, phase: Phase) -> None:
+        """``unit`` needs its parameters now, before FSDP2 acts on the demand."""
         scope = self._scope
         key = scope.key if scope is not None else None
         demand = _compat.classify_demand(unit.state)
@@ -234,7 +289,10 @@ class PrefetchScheduler:
             _compat.release(unit.state)
         self.stats.count(self._scope.key if self._scope is not None else None, Count.dropped)
 
-    def on_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+    # --- the optimizer step (a global optimizer hook) ---------------------------------------------
+
+    def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """``optimizer.step()`` is about to run."""
         if not self._steps_our_params(optimizer):
             return
         self._window.step_taken()
@@ -248,9 +306,7 @@ class PrefetchScheduler:
                 self._warned_step_in_scope = True
                 logger.warning(
                     "fsdp_replay: optimizer.step() inside iteration(key=%r) released %d pending prefetches "
-                    "(they would run on stale weights); call step() after the scope",
-                    scope.key,
-                    len(self._window),
+                    "(they would run on stale weights); call step() after the scope", scope.key, len(self._window)
                 )
             self.stats.count(scope.key, Count.wasted, self._window.release_all())
 
@@ -274,16 +330,16 @@ class PrefetchScheduler:
         mode = self.config.mode
         if mode is PrefetchMode.demand:
             return DEMAND_ONLY
-        count_prefetch = _weak_counter(self, key, Count.prefetches)
+        count_prefetch = functools.partial(_weakly(self._count), key, Count.prefetches)
         if mode is PrefetchMode.static:
             return Static(self._static_successors, self._depth, self._window, count_prefetch)
-        if rerecord and key in self._orders:
-            self._drop_order(key, reason="rerecord=True")
+        if rerecord:
+            self._orders.drop(key, reason="rerecord=True")
         order = self._orders.get(key)
         if order is None:
             return Record()
-        if self.config.check_ranks and key not in self._verified:
-            self._verify_across_ranks(key, order)
+        if self.config.check_ranks and self._orders.needs_check(key):
+            check_across_ranks(key, self._orders, self.units[0].state)
         return Replay(Cursor(order, depth=self._depth), self._window, count_prefetch)
 
     def _close_auto_scope(self, scope: _Scope) -> None:
@@ -297,14 +353,12 @@ class PrefetchScheduler:
         self._scope = None
         self.stats.count(scope.key, Count.wasted, self._window.release_all())
         if failure is not None:
-            if scope.key in self._orders:
-                self._drop_order(scope.key, reason=failure)
+            self._orders.drop(scope.key, reason=failure)
             return
         strategy = scope.strategy
         if isinstance(strategy, Record):
             if entries := strategy.recording.entries:
-                self._orders[scope.key] = ExecutionOrder(entries)
-                self._verified.discard(scope.key)
+                self._orders.install(scope.key, entries)
                 self.stats.count(scope.key, Count.recordings)
                 logger.debug("fsdp_replay: recorded %d demands for scope %r", len(entries), scope.key)
         elif isinstance(strategy, Replay) and (unfinished := strategy.unfinished()) is not None:
@@ -313,7 +367,7 @@ class PrefetchScheduler:
     def _diverge(self, scope: _Scope, detail: str) -> None:
         self.stats.count(scope.key, Count.divergences)
         self._go_demand_only(scope)
-        self._drop_order(scope.key, reason=detail)
+        self._orders.drop(scope.key, reason=detail)
         if self.config.on_divergence is DivergencePolicy.raise_:
             raise PrefetchDivergenceError(f"fsdp_replay: {detail} (on_divergence='raise')")
 
@@ -321,20 +375,10 @@ class PrefetchScheduler:
         scope.strategy = DEMAND_ONLY
         self.stats.count(scope.key, Count.wasted, self._window.release_all())
 
-    def _drop_order(self, key: str, *, reason: str) -> None:
-        if self._orders.pop(key, None) is not None:
-            self._verified.discard(key)
-            logger.warning("fsdp_replay: invalidated the recorded order of %r: %s", key, reason)
-
-    def _verify_across_ranks(self, key: str, order: ExecutionOrder) -> None:
-        try:
-            check_across_ranks(key, order, self.units[0].state)
-        except RankMismatchError:
-            self._orders.pop(key, None)
-            raise
-        self._verified.add(key)
-
     # --- helpers ---------------------------------------------------------------------------------
+
+    def _count(self, key: str, counter: Count) -> None:
+        self.stats.count(key, counter)  # looked up per call: reset_stats() replaces the stats
 
     def _steps_our_params(self, optimizer: torch.optim.Optimizer) -> bool:
         if optimizer not in self._optimizers_seen:
@@ -343,29 +387,14 @@ class PrefetchScheduler:
             )
         return self._optimizers_seen[optimizer]
 
-    def _check_attached(self) -> None:
-        if not self.attached:
-            raise RuntimeError("this PrefetchScheduler was detached; attach() a new one")
 
+def _weakly(method: Callable[..., None]) -> Callable[..., None]:
+    """A scheduler's ``method`` that does not keep the scheduler (or its model) alive, for what
+    outlives a call: the global optimizer hook, a scope's strategy. Once it is gone, a no-op."""
+    ref = weakref.WeakMethod(method)
 
-def _weak_counter(scheduler: PrefetchScheduler, key: str, counter: Count) -> Callable[[], None]:
-    """Counts one ``counter`` under ``key`` in the scheduler's current stats (``reset_stats()``
-    replaces them); held by a scope's strategy, so it holds the scheduler weakly."""
-    ref = weakref.ref(scheduler)
-
-    def count() -> None:
+    def call(*args: Any) -> None:
         if (live := ref()) is not None:
-            live.stats.count(key, counter)
+            live(*args)
 
-    return count
-
-
-def _weak_step_hook(scheduler: PrefetchScheduler) -> Any:
-    """A global optimizer hook that does not keep the scheduler (or its model) alive."""
-    ref = weakref.ref(scheduler)
-
-    def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if (live := ref()) is not None:
-            live.on_optimizer_step(optimizer)
-
-    return hook
+    return call

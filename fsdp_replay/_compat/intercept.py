@@ -24,7 +24,8 @@ def report_pre_backward(state: Any, on_backward_use: Callable[[], None]) -> bool
     post-forward; an instance attribute shadows that method, so the hook it registers is this
     wrapper and no second tensor hook per output is needed. A backward use starts when a param
     group is not already in pre-backward (FSDP2's own test for a no-op). False where FSDP2's
-    internals are not available: the caller then hooks the outputs itself.
+    internals are not available: the caller then hooks the outputs itself. See
+    [Note: hook order and the end of backward] in ``fsdp_replay/_hooks.py``.
     """
     if not INTERNALS_OK:
         return False
@@ -140,10 +141,9 @@ def stop_intercepting_group_calls(state: Any) -> None:
 def intercept_backward_end(state: Any, on_backward_end: Callable[[], None]) -> bool:
     """Call ``on_backward_end`` right after FSDP2's root post-backward callback, whoever runs it.
 
-    FSDP2 queues that callback once per backward on the outermost graph task (a reentrant
-    checkpoint's nested backward finds it queued already); torch pipelining calls it directly when
-    a stage finalizes its gradients. Shadowing it on every state under the root (any of them may
-    queue it) makes the scheduler's end of backward FSDP2's own. False without FSDP2's internals.
+    Shadowing it on every state under the root makes the scheduler's end of backward FSDP2's own;
+    see [Note: hook order and the end of backward] in ``fsdp_replay/_hooks.py``. False without
+    FSDP2's internals.
     """
     if not INTERNALS_OK:
         return False
@@ -162,7 +162,8 @@ def stop_intercepting_backward_end(state: Any) -> None:
 
 
 def queue_backward_callback(callback: Callable[[], None]) -> None:
-    """Run ``callback`` when the current autograd graph task ends (public-fallback end of backward)."""
+    """Run ``callback`` when the current autograd graph task ends (the public fallback's end of
+    backward; see [Note: hook order and the end of backward] in ``fsdp_replay/_hooks.py``)."""
     Variable._execution_engine.queue_callback(callback)
 
 

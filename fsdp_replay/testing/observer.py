@@ -49,7 +49,8 @@ def _gather_state(state: Any) -> Demand:
 class DemandObserver:
     """Hooks that run before fsdp_replay's and FSDP2's, logging ``(fqn, phase, hit|miss|resident)``.
 
-    Register after attaching the scheduler: prepended hooks registered later run first.
+    Register after attaching the scheduler, so these hooks run first (see
+    [Note: hook order and the end of backward] in ``fsdp_replay/_hooks.py``).
     """
 
     def __init__(self, root: nn.Module) -> None:
