@@ -34,6 +34,20 @@ class PrefetchMode(enum.Enum):
         )
 
 
+def require_at_least(minimum: int, owner: object, *names: str, why: str = "") -> None:
+    """Reject integer fields below ``minimum``, naming the field as the user types it.
+
+    Also what the recipe's and the benchmark's configs validate with, so every config error reads
+    alike: ``PrefetchConfig.forward_prefetch must be an integer >= 0 (0 disables it), got -1``.
+    """
+    for name in names:
+        value = getattr(owner, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ValueError(
+                f"{type(owner).__name__}.{name} must be an integer >= {minimum}{f' ({why})' if why else ''}, got {value!r}"
+            )
+
+
 class DivergencePolicy(str, enum.Enum):
     """What a replayed scope does when its demands leave the recorded order.
 
@@ -81,12 +95,7 @@ class PrefetchConfig:
 
     def __post_init__(self) -> None:
         self.mode = PrefetchMode.parse(self.mode)
-        for name in ("forward_prefetch", "backward_prefetch"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(
-                    f"PrefetchConfig.{name} must be an integer >= 0 (0 disables it), got {value!r}"
-                )
+        require_at_least(0, self, "forward_prefetch", "backward_prefetch", why="0 disables it")
         cap = self.max_prefetch_bytes
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0):
             raise ValueError(
