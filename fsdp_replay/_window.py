@@ -53,6 +53,10 @@ class PrefetchWindow:
             return Held.prefetched
         return Held.kept if unit in self._kept else None
 
+    def units(self, held: Held) -> list[Unit]:
+        """The units held one way, in the order they joined the window."""
+        return list(self._prefetched if held is Held.prefetched else self._kept)
+
     @property
     def bytes_ahead(self) -> int:
         return self._bytes_ahead

@@ -12,18 +12,18 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.distributed._composable_state import _get_module_state
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
 from fsdp_replay.stats import Demand
+from fsdp_replay.testing.internals import fsdp_state, gather_pending, param_groups
 
 
 def fsdp_units(root: nn.Module) -> dict[str, Any]:
     """Every FSDP2 state with parameters under ``root``, by its module names joined with ``+``."""
     names: dict[Any, list[str]] = {}
     for name, module in root.named_modules():
-        if isinstance(module, FSDPModule) and (state := _get_module_state(module))._fsdp_param_groups:
+        if isinstance(module, FSDPModule) and param_groups(state := fsdp_state(module)):
             names.setdefault(state, []).append(name or "<root>")
     return {"+".join(labels): state for state, labels in names.items()}
 
@@ -33,13 +33,13 @@ def held_units(root: nn.Module) -> list[str]:
     return [
         name
         for name, state in fsdp_units(root).items()
-        if any(g._all_gather_result is not None or not g.is_sharded for g in state._fsdp_param_groups)
+        if any(gather_pending(g) or not g.is_sharded for g in param_groups(state))
     ]
 
 
 def _gather_state(state: Any) -> Demand:
-    groups = state._fsdp_param_groups
-    if any(g._all_gather_result is not None for g in groups):
+    groups = param_groups(state)
+    if any(gather_pending(g) for g in groups):
         return Demand.hit
     if all(g.is_unsharded for g in groups):
         return Demand.resident
