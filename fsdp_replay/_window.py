@@ -22,8 +22,10 @@ class PrefetchWindow:
 
     A unit is held either as a *prefetch* (its all-gather issued before the demand) or as a *keep*
     (it is in use now, and FSDP2's own reshard at the end of that use is skipped because the order
-    needs the unit again next). Both hold one unit's unsharded bytes, which the byte cap counts;
-    only a prefetch is an all-gather in flight, so only prefetches count against the prefetch depth.
+    needs the unit again next). Both hold one unit's unsharded bytes, which the byte cap counts.
+    Against the prefetch depth, replay counts only the prefetches among the entries it provides
+    for (a keep is no all-gather in flight), while static counts everything held (``len``): it
+    never keeps, and its wrong guesses stay held until used (see ``_strategies.py``).
 
     Every decision here depends only on the recorded order and on unit sizes, which all ranks
     share, so all ranks issue the same all-gathers in the same order. Another party's reshard,
