@@ -50,9 +50,9 @@ class Strategy(Protocol):
         """Provide for what comes next: at an explicit scope's start and after each of its backwards."""
 
 
-def gather_at_demand(unit: Unit, phase: Phase, demand: Demand) -> None:
-    """Issue the demanded unit's missing gather before any prefetch, so it is not queued behind them."""
-    if demand is Demand.miss and _compat.may_gather(state := unit.state):
+def gather_at_demand(unit: Unit, phase: Phase) -> None:
+    """Issue a missed unit's gather before any prefetch, so it is not queued behind them."""
+    if _compat.may_gather(state := unit.state):
         with _compat.trace("fsdp_replay::gather_at_demand", unit.fqn):
             _compat.issue_unshard(state, backward=not phase.in_forward)
 
@@ -121,7 +121,8 @@ class Replay:
                 f"{expected.describe() if expected is not None else 'the end of the recorded order'}, "
                 f"got ({unit.fqn!r}, {phase.value!r})"
             )
-        gather_at_demand(unit, phase, demand)
+        if demand is Demand.miss:
+            gather_at_demand(unit, phase)
         cursor.advance()
         self.provide(demanded=unit)
         return None
@@ -191,7 +192,8 @@ class Static:
         self._count_prefetch = count_prefetch
 
     def on_demand(self, unit: Unit, phase: Phase, demand: Demand) -> None:
-        gather_at_demand(unit, phase, demand)
+        if demand is Demand.miss:
+            gather_at_demand(unit, phase)
         depth = self._depth.of(phase)
         window = self._window
         for successor in self._successors[phase.in_forward][unit][:depth]:

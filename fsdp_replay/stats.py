@@ -73,7 +73,9 @@ class KeyStats:
     """Orders recorded and installed."""
 
     def add(self, counter: Count, n: int = 1) -> None:
-        setattr(self, counter, getattr(self, counter) + n)  # a Count is the field's name (a str)
+        # A Count is its field's name (a str). Through __dict__, as getattr/setattr with a str
+        # subclass skip the type's lookup cache, and this runs a few times per demand.
+        self.__dict__[counter] += n
 
     def as_dict(self) -> dict[str, int]:
         """Every counter by its field's name."""
