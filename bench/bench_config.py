@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from fsdp_replay.hydra import require_at_least
+from fsdp_replay.config import require_at_least
 
 MODES = ("plain", "demand", "static", "record_and_replay")
 """``plain`` is torch's ``fully_shard`` with no scheduler attached (FSDP2's own default prefetch)."""

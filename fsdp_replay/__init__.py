@@ -1,12 +1,13 @@
 """fsdp_replay: prefetch FSDP2 parameters in the order the model actually runs."""
 
+from fsdp_replay._order import Phase
 from fsdp_replay.api import attach, fully_shard, scheduler_of
-from fsdp_replay.config import PrefetchConfig, PrefetchMode
-from fsdp_replay.order import Phase
+from fsdp_replay.config import DivergencePolicy, PrefetchConfig, PrefetchMode
 from fsdp_replay.scheduler import PrefetchDivergenceError, PrefetchScheduler, RankMismatchError
 from fsdp_replay.stats import KeyStats, PrefetchStats
 
 __all__ = [
+    "DivergencePolicy",
     "KeyStats",
     "Phase",
     "PrefetchConfig",

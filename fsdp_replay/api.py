@@ -21,7 +21,28 @@ _ATTACHED: weakref.WeakSet[PrefetchScheduler] = weakref.WeakSet()
 
 
 def attach(root: nn.Module, config: PrefetchConfig | Mapping[str, Any] | None = None) -> PrefetchScheduler:
-    """Schedule the unshards of every fully_shard unit under ``root`` (the outermost FSDP2 module)."""
+    """Schedule the unshards of every ``fully_shard`` unit under ``root``.
+
+    Args:
+        root: the outermost ``fully_shard`` module (the one whose forward runs first), after every
+            unit under it was sharded.
+        config: a :class:`PrefetchConfig`, a mapping of its fields, or None for the defaults. It is
+            copied and validated again, so changing it afterwards has no effect.
+
+    Returns:
+        The scheduler, which :func:`scheduler_of` also finds from ``root``.
+
+    Raises:
+        TypeError: ``root`` is not an ``FSDPModule``, or ``config`` is of another type.
+        ValueError: ``root`` is not a root FSDP2 module or has no unit with parameters, or a field
+            of ``config`` is invalid (the message names the field and its valid values).
+        RuntimeError: a scheduler is already attached to ``root``, or to an outer root that
+            ``root`` is a unit of.
+
+    .. note::
+        While attached, FSDP2's own prefetch is off (nothing is gathered twice);
+        :meth:`PrefetchScheduler.detach` restores it.
+    """
     if not isinstance(root, FSDPModule):
         raise TypeError(
             f"attach() needs the root module returned by fully_shard (an FSDPModule), got {type(root).__name__}; "
@@ -39,7 +60,7 @@ def attach(root: nn.Module, config: PrefetchConfig | Mapping[str, Any] | None = 
             "call scheduler_of(root).detach() before attaching another"
         )
     for other in list(_ATTACHED):
-        if other.attached and any(u._state() is state for u in other.units):
+        if other.attached and any(u.state_or_none() is state for u in other.units):
             raise RuntimeError("attach(): this module is a unit of a scheduler already attached to an outer root")
     scheduler = PrefetchScheduler(root, _validated(config))
     setattr(root, _ATTRIBUTE, scheduler)
@@ -59,7 +80,14 @@ def _validated(config: PrefetchConfig | Mapping[str, Any] | None) -> PrefetchCon
 
 
 def scheduler_of(root: nn.Module) -> PrefetchScheduler | None:
-    """The scheduler attached to ``root``, or None (also after ``detach()``)."""
+    """The scheduler attached to ``root``.
+
+    Args:
+        root: the module given to :func:`attach` (or to :func:`fully_shard` with ``prefetch=``).
+
+    Returns:
+        Its scheduler, or None if none is attached (also after ``detach()``).
+    """
     scheduler = getattr(root, _ATTRIBUTE, None)
     return scheduler if scheduler is not None and scheduler.attached else None
 
@@ -70,7 +98,23 @@ def fully_shard(
     prefetch: PrefetchConfig | Mapping[str, Any] | None = None,
     **kwargs: Any,
 ) -> Any:
-    """Drop-in for ``torch.distributed.fsdp.fully_shard``; ``prefetch=`` on the root call attaches a scheduler."""
+    """Drop-in for ``torch.distributed.fsdp.fully_shard``; ``prefetch=`` on the root call attaches a scheduler.
+
+    Args:
+        module: what torch's ``fully_shard`` takes: a module, or a list of modules forming one unit.
+        prefetch: on the root call only, the scheduler's config (as for :func:`attach`); None
+            shards without attaching.
+        **kwargs: passed to torch's ``fully_shard`` (``mesh``, ``reshard_after_forward``, ...).
+
+    Returns:
+        What torch's ``fully_shard`` returns.
+
+    Raises:
+        ValueError: ``prefetch`` is given with a list of modules, or one of its fields is
+            invalid; checked before anything is sharded.
+        TypeError: ``prefetch`` is not a :class:`PrefetchConfig`, a mapping or None.
+        RuntimeError: as :func:`attach`.
+    """
     if prefetch is not None and not isinstance(module, nn.Module):
         raise ValueError(
             "fully_shard(prefetch=...) belongs on the root call (one module); got a list of modules, "

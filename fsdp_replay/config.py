@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-__all__ = ["PrefetchMode", "PrefetchConfig", "DIVERGENCE_POLICIES"]
+__all__ = ["DivergencePolicy", "PrefetchConfig", "PrefetchMode"]
 
 
 class PrefetchMode(enum.Enum):
@@ -34,7 +34,42 @@ class PrefetchMode(enum.Enum):
         )
 
 
-DIVERGENCE_POLICIES = ("fallback", "raise")
+def require_at_least(minimum: int, owner: object, *names: str, why: str = "") -> None:
+    """Reject integer fields below ``minimum``, naming the field as the user types it.
+
+    Also what the recipe's and the benchmark's configs validate with, so every config error reads
+    alike: ``PrefetchConfig.forward_prefetch must be an integer >= 0 (0 disables it), got -1``.
+    """
+    for name in names:
+        value = getattr(owner, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ValueError(
+                f"{type(owner).__name__}.{name} must be an integer >= {minimum}{f' ({why})' if why else ''}, got {value!r}"
+            )
+
+
+class DivergencePolicy(str, enum.Enum):
+    """What a replayed scope does when its demands leave the recorded order.
+
+    Users type the values, ``"fallback"`` and ``"raise"`` (``raise`` is a Python keyword, so its
+    member is ``raise_``). A member compares equal to its value.
+    """
+
+    fallback = "fallback"
+    """Finish the scope demand-only, drop the key's order and re-record at the key's next scope."""
+    raise_ = "raise"
+    """Raise :class:`~fsdp_replay.PrefetchDivergenceError` naming the position, the expected and the actual entry."""
+
+    @classmethod
+    def parse(cls, value: DivergencePolicy | str) -> DivergencePolicy:
+        """Accept a member or its value; reject anything else naming the valid values."""
+        for policy in cls:
+            if isinstance(value, str) and value == policy.value:
+                return policy
+        raise ValueError(
+            f"PrefetchConfig.on_divergence: unknown policy {value!r}; "
+            f"valid policies are {', '.join(policy.value for policy in cls)}"
+        )
 
 
 @dataclass
@@ -51,17 +86,16 @@ class PrefetchConfig:
     """Cap on unsharded bytes held ahead of use (gathered early or kept unsharded); one unit is always allowed."""
     check_ranks: bool = True
     """Compare every new recording across the ranks of the units' process group before replaying it."""
-    on_divergence: str = "fallback"
-    """``"fallback"``: finish the iteration demand-only and re-record; ``"raise"``: raise an error."""
+    on_divergence: DivergencePolicy | str = DivergencePolicy.fallback
+    """``"fallback"``: finish the iteration demand-only and re-record; ``"raise"``: raise an error.
+
+    A string is turned into a :class:`DivergencePolicy` here, after Hydra has composed the config,
+    so that an unknown value is reported with the valid ones (see :meth:`DivergencePolicy.parse`).
+    """
 
     def __post_init__(self) -> None:
         self.mode = PrefetchMode.parse(self.mode)
-        for name in ("forward_prefetch", "backward_prefetch"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(
-                    f"PrefetchConfig.{name} must be an integer >= 0 (0 disables it), got {value!r}"
-                )
+        require_at_least(0, self, "forward_prefetch", "backward_prefetch", why="0 disables it")
         cap = self.max_prefetch_bytes
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0):
             raise ValueError(
@@ -70,12 +104,4 @@ class PrefetchConfig:
             )
         if not isinstance(self.check_ranks, bool):
             raise ValueError(f"PrefetchConfig.check_ranks must be true or false, got {self.check_ranks!r}")
-        if self.on_divergence not in DIVERGENCE_POLICIES:
-            raise ValueError(
-                f"PrefetchConfig.on_divergence: unknown policy {self.on_divergence!r}; "
-                f"valid policies are {', '.join(DIVERGENCE_POLICIES)}"
-            )
-
-    def depth(self, in_forward: bool) -> int:
-        """Prefetch depth for the current phase."""
-        return self.forward_prefetch if in_forward else self.backward_prefetch
+        self.on_divergence = DivergencePolicy.parse(self.on_divergence)

@@ -1,209 +1,27 @@
-"""Hydra structured configs of the training recipes, registered in Hydra's ConfigStore.
+"""Hydra registration of :class:`~fsdp_replay.PrefetchConfig`, the schema of a ``prefetch`` config group.
 
-Only this module imports Hydra, so ``fsdp_replay`` itself works without hydra-core installed.
-The ``prefetch`` group's schema is :class:`~fsdp_replay.PrefetchConfig` itself: a Hydra override
-such as ``prefetch.mode=static`` sets exactly the field a Python user passes to ``fully_shard``.
+Only this module imports Hydra, so ``fsdp_replay`` itself works without hydra-core installed. A
+Hydra override such as ``prefetch.mode=static`` then sets exactly the field a Python user passes
+to ``fully_shard(prefetch=...)``; Hydra converts ``mode`` by the :class:`~fsdp_replay.PrefetchMode`
+member name and leaves ``on_divergence`` a string, which ``PrefetchConfig`` validates.
+Applications keep their own schemas next to them (the training recipe's are in
+``recipes/train_lib/config.py``).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-import os
-import sys
-import typing
-from dataclasses import dataclass, field
-from pathlib import Path
-
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf
 
 from fsdp_replay.config import PrefetchConfig
 
-__all__ = [
-    "DataConfig",
-    "MicrobatchSchedule",
-    "ModelConfig",
-    "TrainConfig",
-    "TrainJobConfig",
-    "quiet_nonzero_ranks",
-    "register_configs",
-    "to_job_config",
-]
+__all__ = ["register_prefetch_config"]
 
 
-class MicrobatchSchedule(enum.Enum):
-    """Order of the microbatches' forwards and backwards inside one optimizer step."""
+def register_prefetch_config(*, group: str = "prefetch", name: str = "base_prefetch") -> None:
+    """Store :class:`~fsdp_replay.PrefetchConfig` in Hydra's ConfigStore as ``group/name``.
 
-    sequential = "sequential"
-    """F0 B0 F1 B1 ...: plain gradient accumulation."""
-    interleaved = "interleaved"
-    """F0 F1 B0 F2 B1 ... B(n-1): 1F1B-style, one forward ahead of the backwards."""
-
-
-def require_at_least(minimum: int, owner: object, *names: str) -> None:
-    """Reject integer fields below ``minimum``, naming the field as the user types it."""
-    for name in names:
-        value = getattr(owner, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ValueError(f"{type(owner).__name__}.{name} must be an integer >= {minimum}, got {value!r}")
-
-
-@dataclass
-class ModelConfig:
-    """Shape of the Llama-style decoder of ``recipes/train_lib/llama.py`` (the ``model`` group's schema)."""
-
-    name: str = "tiny"
-    """Label shown in logs and the summary."""
-    vocab_size: int = 256
-    """Token ids are bytes, so 256 covers both the synthetic stream and ``data.path`` files."""
-    dim: int = 64
-    """Width of the residual stream."""
-    n_layers: int = 4
-    """Decoder blocks; each block is one FSDP unit."""
-    n_heads: int = 4
-    """Attention heads; ``dim / n_heads`` must be even for rotary embeddings."""
-    ffn_dim: int = 192
-    """Hidden width of the SwiGLU MLP."""
-    max_seq_len: int = 128
-    """Longest sequence the rotary tables cover."""
-    norm_eps: float = 1e-5
-    """RMSNorm epsilon."""
-    rope_theta: float = 10000.0
-    """Rotary embedding base."""
-    depth_repeats: int = 1
-    """Passes through the block stack per forward; > 1 reuses every block (weight sharing across depth)."""
-
-    def __post_init__(self) -> None:
-        require_at_least(1, self, "vocab_size", "dim", "n_layers", "n_heads", "ffn_dim", "max_seq_len", "depth_repeats")
-        if self.dim % self.n_heads or (self.dim // self.n_heads) % 2:
-            raise ValueError(
-                f"ModelConfig.dim must be a multiple of 2 * n_heads (even rotary head dim), "
-                f"got dim={self.dim}, n_heads={self.n_heads}"
-            )
-
-
-@dataclass
-class DataConfig:
-    """Where training tokens come from."""
-
-    path: str | None = None
-    """A text file read as bytes (vocab 256); ``None`` uses the seeded synthetic stream (no download)."""
-    synthetic_tokens: int = 1 << 16
-    """Length of the synthetic stream."""
-    eval_fraction: float = 0.1
-    """Tail of the token stream held out for evaluation."""
-
-    def __post_init__(self) -> None:
-        if self.path is not None and not Path(self.path).is_file():
-            raise ValueError(f"DataConfig.path: no such file {self.path!r} (relative to {os.getcwd()})")
-        require_at_least(1, self, "synthetic_tokens")
-        if not 0.0 < self.eval_fraction < 1.0:
-            raise ValueError(f"DataConfig.eval_fraction must be in (0, 1), got {self.eval_fraction!r}")
-
-
-@dataclass
-class TrainConfig:
-    """Optimisation loop of ``recipes/train.py``."""
-
-    run_name: str = "train"
-    """Runs go to ``outputs/<run_name>/<date>_<time>/``: rank 0 picks the folder and the other
-    ranks receive it; ``outputs/latest`` points at the last one."""
-    steps: int = 100
-    """Optimizer steps to run (a resumed run continues up to this step)."""
-    batch_size: int = 8
-    """Sequences per microbatch on each rank."""
-    seq_len: int = 64
-    """Tokens per sequence."""
-    microbatches: int = 1
-    """Microbatches accumulated into each optimizer step, all inside one ``sched.iteration()``."""
-    schedule: MicrobatchSchedule = MicrobatchSchedule.sequential
-    """Order of the microbatches' forwards and backwards."""
-    activation_checkpointing: int = 0
-    """Blocks per non-reentrant ``torch.utils.checkpoint`` group; 0 disables recompute."""
-    lr: float = 3e-3
-    """AdamW learning rate (constant)."""
-    seed: int = 0
-    """Seeds weight init (identical on every rank) and data order."""
-    eval_every: int = 25
-    """Evaluate every N steps under the ``"eval"`` scope key; 0 disables evaluation."""
-    eval_batches: int = 2
-    """Held-out batches per evaluation."""
-    save_every: int = 0
-    """Save a checkpoint to ``<run dir>/checkpoints/step_N`` every N steps; 0 disables saving."""
-    resume_from: str | None = None
-    """Checkpoint directory to resume from: weights, optimizer, step and the recorded prefetch orders."""
-
-    def __post_init__(self) -> None:
-        require_at_least(1, self, "steps", "batch_size", "seq_len", "microbatches", "eval_batches")
-        require_at_least(0, self, "activation_checkpointing", "eval_every", "save_every")
-        if self.resume_from is not None and not Path(self.resume_from).is_dir():
-            raise ValueError(f"TrainConfig.resume_from: no such checkpoint directory {self.resume_from!r}")
-
-
-@dataclass
-class TrainJobConfig:
-    """Top-level config of ``recipes/train.py`` (``configs/train.yaml`` extends it)."""
-
-    prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
-    """Prefetch scheduler settings, passed to the root ``fully_shard`` call."""
-    model: ModelConfig = field(default_factory=ModelConfig)
-    """Model shape."""
-    train: TrainConfig = field(default_factory=TrainConfig)
-    """Training loop."""
-    data: DataConfig = field(default_factory=DataConfig)
-    """Token source."""
-
-    def __post_init__(self) -> None:
-        if self.train.seq_len > self.model.max_seq_len:
-            raise ValueError(
-                f"TrainConfig.seq_len ({self.train.seq_len}) exceeds ModelConfig.max_seq_len "
-                f"({self.model.max_seq_len})"
-            )
-        if self.model.vocab_size < 256:
-            raise ValueError(f"ModelConfig.vocab_size must be >= 256 for byte tokens, got {self.model.vocab_size}")
-
-
-def register_configs() -> None:
-    """Store the schemas that the YAML files under ``configs/`` extend through their defaults lists."""
-    cs = ConfigStore.instance()
-    cs.store(name="train_schema", node=TrainJobConfig)
-    cs.store(group="prefetch", name="base_prefetch", node=PrefetchConfig)
-    cs.store(group="model", name="base_model", node=ModelConfig)
-
-
-def _reject_unknown_keys(node: DictConfig, schema: type, path: str = "") -> None:
-    """``+group.typo=1`` composes (``+`` may add keys) but would be dropped silently: name it."""
-    names = [f.name for f in dataclasses.fields(schema)]
-    hints = typing.get_type_hints(schema)
-    for key in node.keys():
-        if key not in names:
-            raise ValueError(f"unknown config field '{path}{key}'; {schema.__name__} has {', '.join(names)}")
-        if dataclasses.is_dataclass(hints[key]) and isinstance(node[key], DictConfig):
-            _reject_unknown_keys(node[key], hints[key], f"{path}{key}.")
-
-
-def to_job_config(cfg: DictConfig) -> TrainJobConfig:
-    """Build the dataclasses, which runs their ``__post_init__`` validation.
-
-    OmegaConf checks types and enum names while composing, but not ranges such as
-    ``prefetch.forward_prefetch=-1``; converting to objects does, so call this before any
-    process group starts. Raises ``ValueError`` naming the field and its valid values.
+    Args:
+        group: the config group whose YAML options extend it through their defaults lists.
+        name: the stored schema's name, as those defaults lists give it.
     """
-    _reject_unknown_keys(cfg, TrainJobConfig)
-    job = OmegaConf.to_object(cfg)
-    if not isinstance(job, TrainJobConfig):
-        raise ValueError(f"expected a config built on 'train_schema', got {type(job).__name__}")
-    return job
-
-
-def quiet_nonzero_ranks(argv: list[str] | None = None) -> None:
-    """Let only rank 0 write Hydra's log file and ``.hydra/`` config snapshot.
-
-    Under torchrun every rank runs Hydra in the same pinned run directory; without this the
-    ranks would write the same files concurrently. Call before the ``@hydra.main`` function;
-    ``argv`` defaults to ``sys.argv``, which Hydra parses.
-    """
-    if int(os.environ.get("RANK", "0")) != 0:
-        argv = sys.argv if argv is None else argv
-        argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
+    ConfigStore.instance().store(group=group, name=name, node=PrefetchConfig)

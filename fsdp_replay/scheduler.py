@@ -1,33 +1,34 @@
-"""The scheduler: iteration scopes, the three modes, and the prefetch window they drive.
+"""The scheduler: iteration scopes, and dispatch of the hooks' events to each scope's strategy.
 
-Data flow: a hook reports a demand ``(unit, phase)`` → while recording it is appended to the
-scope's entries, which become the key's :class:`ExecutionOrder` when the scope succeeds → a later
-scope walks that order with a :class:`Cursor`, checking each demand → after every demand,
-:meth:`PrefetchScheduler._refill` provides for the next entries through the
-:class:`PrefetchWindow` (an all-gather issued early, or a unit in use kept unsharded for its next
-use), and the scope's end releases whatever is left.
+Data flow: a hook reports a demand ``(unit, phase)`` → the scheduler classifies and counts it,
+takes the unit out of the :class:`PrefetchWindow` and hands it to the scope's strategy
+(``_strategies.py``), which records it, or checks it against the recorded order and provides for
+what comes next through the window → the scope's end installs a recording as the key's order
+and releases whatever the window still holds. README.md "How it behaves" walks it file by file.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import weakref
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fsdp_replay import _compat
-from fsdp_replay.config import PrefetchConfig, PrefetchMode
-from fsdp_replay.hooks import HookSet
-from fsdp_replay.order import Cursor, Entry, ExecutionOrder, Phase, first_difference
-from fsdp_replay.stats import PrefetchStats
-from fsdp_replay.units import Unit, discover_units
-from fsdp_replay.window import Held, PrefetchWindow
+from fsdp_replay._hooks import HookSet
+from fsdp_replay._order import Cursor, Depth, Phase, RecordedOrders
+from fsdp_replay._ranks import RankMismatchError, check_across_ranks
+from fsdp_replay._strategies import DEMAND_ONLY, Record, Replay, ScopeMode, Static, Strategy, static_successors
+from fsdp_replay._units import Unit, discover_units
+from fsdp_replay._window import Held, PrefetchWindow
+from fsdp_replay.config import DivergencePolicy, PrefetchConfig, PrefetchMode
+from fsdp_replay.stats import Count, Demand, PrefetchStats
 
 logger = logging.getLogger("fsdp_replay")
 
@@ -40,25 +41,17 @@ class PrefetchDivergenceError(RuntimeError):
     """A replayed scope left its recorded order while ``on_divergence="raise"``."""
 
 
-class RankMismatchError(RuntimeError):
-    """Ranks recorded different orders; replaying them would issue mismatched collectives."""
-
-
 @dataclass(eq=False)
 class _Scope:
-    """One iteration: the demands it records, or the cursor it replays, and where it stands."""
+    """One iteration (one optimizer step's forwards and backwards), and what it does with its demands."""
 
     key: str
     explicit: bool
-    recording: list[Entry] | None = None
-    cursor: Cursor | None = None
-    demand_only: bool = False
-    """No prefetch for the rest of the scope (``demand`` mode, or after a divergence)."""
-    segment: int = 0
-    """Backward passes finished so far in this scope."""
+    """Opened by ``iteration()``; an automatic scope spans one root forward and its backward."""
+    strategy: Strategy
+    """Decides what to provide for after each demand; its ``mode`` is the scope's mode."""
     backward_started: bool = False
     """Automatic scopes: a scope still open at the next root forward failed if its backward began."""
-
 
 
 class PrefetchScheduler:
@@ -73,24 +66,19 @@ class PrefetchScheduler:
         if not self.units:
             raise ValueError(f"attach(): no fully_shard unit with parameters under {type(root).__name__}")
         self._units_by_fqn = {u.fqn: u for u in self.units}
-        self._static_next = _static_successors(self.units)
-        self._orders: dict[str, ExecutionOrder] = {}
-        self._verified: set[str] = set()
+        self._static_successors = static_successors(self.units)
+        self._orders = RecordedOrders()
         self._scope: _Scope | None = None
-        self._window = PrefetchWindow(max_bytes=config.max_prefetch_bytes)
+        self._depth = Depth(config.forward_prefetch, config.backward_prefetch)
         self._param_ids = {id(p) for p in root.parameters()}
         self._optimizers_seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._warned_step_in_scope = False
-        self._gathered: set[Unit] = set()
-        """Units all-gathered since the last optimizer step: only their unsharded values are current.
-        A unit left unsharded across a step is stale, and plain FSDP2 renews it at its next reshard
-        and gather, so only these are ever kept."""
         self._saved_prefetch = {unit: _compat.disable_own_prefetch(unit.state) for unit in self.units}
         self._hooks = HookSet(self)
-        self._keeps = all([self._hooks.register_unit(unit) for unit in self.units])
-        """Whether FSDP2's reshards can be seen and skipped (its internals are available)."""
+        can_keep = all([self._hooks.register_unit(unit) for unit in self.units])
+        self._window = PrefetchWindow(max_bytes=config.max_prefetch_bytes, can_keep=can_keep)
         self._hooks.register_root(root)
-        self._optimizer_hook = register_optimizer_step_pre_hook(_weak_step_hook(self))
+        self._optimizer_hook = register_optimizer_step_pre_hook(_weakly(self._on_optimizer_step))
         weakref.finalize(self, self._optimizer_hook.remove)
         self.attached = True
 
@@ -102,12 +90,29 @@ class PrefetchScheduler:
 
     @contextlib.contextmanager
     def iteration(self, key: str = "train", *, rerecord: bool = False) -> Iterator[None]:
-        """One optimizer step's worth of forwards and backwards (all microbatches).
+        """A scope: one optimizer step's worth of forwards and backwards (all its microbatches).
 
-        The first successful scope of ``key`` records its demand order; later ones replay it.
-        Call ``optimizer.step()`` after the scope, so no prefetch is pending across it.
+        The first successful scope of ``key`` records its demand order; later ones replay it (in
+        ``record_and_replay`` mode). Call ``optimizer.step()`` after the scope, so no prefetch is
+        pending across it. A scope that exits with an exception keeps no recording, drops a
+        replayed order, and calls FSDP2's ``reset_iter_state()`` on the root.
+
+        Args:
+            key: names the order; one key per distinct sequence of demands (``"train"``, ``"eval"``).
+                ``"auto:"`` keys are for automatic scopes: outside ``iteration()`` each root forward
+                up to the end of its backward is one (``"auto:grad"`` or ``"auto:no_grad"``).
+            rerecord: drop the key's order first, so this scope records it again.
+
+        Raises:
+            ValueError: ``key`` is not a non-empty string, or starts with ``"auto:"``.
+            RuntimeError: the scheduler was detached, or this scope would nest in another one.
+            RankMismatchError: with ``check_ranks``, ranks recorded different orders for ``key``
+                (raised on every rank, before the first replay of that order).
+            PrefetchDivergenceError: with ``on_divergence="raise"``, a demand in the scope (or its
+                end) left the recorded order.
         """
-        self._check_attached()
+        if not self.attached:
+            raise RuntimeError("this PrefetchScheduler was detached; attach() a new one")
         if not isinstance(key, str) or not key or key.startswith("auto:"):
             raise ValueError(f"iteration(key=...) must be a non-empty string not starting with 'auto:', got {key!r}")
         if self._scope is not None and self._scope.explicit:
@@ -128,37 +133,73 @@ class PrefetchScheduler:
         self._end_scope(scope)
 
     def recorded_order(self, key: str) -> list[tuple[str, str]] | None:
-        """The recorded ``(unit FQN, phase)`` sequence of ``key``, or None if none is installed."""
+        """The recorded order of ``key``.
+
+        Args:
+            key: a scope key, as given to :meth:`iteration` (or ``"auto:grad"`` / ``"auto:no_grad"``).
+
+        Returns:
+            Its ``(unit FQN, phase)`` sequence, or None if no order of ``key`` is installed.
+        """
         order = self._orders.get(key)
         return order.as_list() if order is not None else None
 
     def invalidate(self, key: str | None = None) -> None:
-        """Drop one key's recorded order, or all of them; the next scope of that key re-records."""
-        for k in list(self._orders) if key is None else [key]:
-            self._drop_order(k, reason="invalidate() was called")
+        """Drop recorded orders; the next scope of such a key records again.
+
+        Args:
+            key: the key whose order to drop; None drops every order. An unknown key is ignored.
+
+        .. note::
+            Called inside a scope that replays a dropped order, the scope finishes demand-only.
+        """
+        for k in self._orders.keys() if key is None else [key]:
+            self._orders.drop(k, reason="invalidate() was called")
         scope = self._scope
-        if scope is not None and scope.cursor is not None and scope.key not in self._orders:
+        if scope is not None and scope.strategy.mode is ScopeMode.replay and scope.key not in self._orders:
             self._go_demand_only(scope)
 
     def reset_stats(self) -> None:
         self.stats = PrefetchStats()
 
     def state_dict(self) -> dict[str, Any]:
-        """Recorded orders keyed by unit FQN (picklable), so a resumed run replays from its first step."""
-        return {"version": STATE_DICT_VERSION, "orders": {k: o.to_state() for k, o in self._orders.items()}}
+        """The recorded orders, so that a resumed run replays from its first step.
+
+        Returns:
+            A picklable dict (a version and each key's order, units named by FQN) for
+            :meth:`load_state_dict`; save it with the model's checkpoint.
+        """
+        return {"version": STATE_DICT_VERSION, "orders": self._orders.to_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Install the orders of a :meth:`state_dict`, replacing every order recorded so far.
+
+        Args:
+            state: what :meth:`state_dict` returned, for a model with the same units.
+
+        Raises:
+            ValueError: the state's version is not supported, or an order names a unit this model
+                does not have. The installed orders are then left as they were.
+
+        .. note::
+            With ``check_ranks``, each loaded order is compared across ranks before its first replay.
+        """
         if state.get("version") != STATE_DICT_VERSION:
             raise ValueError(
                 f"fsdp_replay state_dict version {state.get('version')!r} is not supported "
                 f"(expected {STATE_DICT_VERSION})"
             )
-        orders = {k: ExecutionOrder.from_state(v, self._units_by_fqn) for k, v in state["orders"].items()}
-        self._orders = orders
-        self._verified.clear()  # loaded orders are compared across ranks before first use
+        self._orders.load_state(state["orders"], self._units_by_fqn)
 
     def detach(self) -> None:
-        """Remove every hook and restore FSDP2's own prefetch settings, as if never attached."""
+        """Remove every hook and restore FSDP2's own prefetch settings, as if never attached.
+
+        Whatever is held ahead of use is released, and an automatic scope still open ends as failed.
+        Calling it again does nothing.
+
+        Raises:
+            RuntimeError: called inside :meth:`iteration`.
+        """
         if not self.attached:
             return
         if self._scope is not None and self._scope.explicit:
@@ -169,14 +210,15 @@ class PrefetchScheduler:
         self._hooks.remove()
         self._optimizer_hook.remove()
         for unit, (saved, installed) in self._saved_prefetch.items():
-            if (state := unit._state()) is not None:
+            if (state := unit.state_or_none()) is not None:
                 _compat.restore_own_prefetch(state, saved, installed)
         self._saved_prefetch.clear()
         self.attached = False
 
-    # --- events reported by the hooks -------------------------------------------------------------
+    # --- events reported by the hooks (SchedulerEvents; [Note: hook order and the end of backward])
 
     def on_root_pre_forward(self) -> None:
+        """The root's forward starts: outside ``iteration()`` it opens an automatic scope."""
         root_state = self._root_state()
         if root_state is not None and _compat.is_root_initialized_as_child(root_state):
             raise RuntimeError(
@@ -190,6 +232,7 @@ class PrefetchScheduler:
         self._begin_scope(AUTO_KEY_GRAD if torch.is_grad_enabled() else AUTO_KEY_NO_GRAD, explicit=False)
 
     def on_root_post_forward(self, *, backward_follows: bool, failed: bool) -> None:
+        """The root's forward ended: an automatic scope with no backward to come ends here."""
         scope = self._scope
         if scope is None or scope.explicit:
             return
@@ -199,45 +242,30 @@ class PrefetchScheduler:
             self._end_scope(scope)  # otherwise the scope ends with its backward
 
     def on_backward_end(self) -> None:
+        """FSDP2's root post-backward callback ran: a segment of the scope ends."""
         scope = self._scope
         if scope is None:
             return
-        scope.segment += 1
+        scope.strategy.end_backward()
         if not scope.explicit:
             self._end_scope(scope)
         else:
-            self._refill(scope)
+            scope.strategy.provide()
 
     def on_demand(self, unit: Unit, phase: Phase) -> None:
+        """``unit`` needs its parameters now, before FSDP2 acts on the demand."""
         scope = self._scope
         key = scope.key if scope is not None else None
-        state = unit.state
-        kind = _compat.demand_kind(state)
-        self.stats.count(key, "demands")
-        self.stats.count(key, kind)
-        held = self._window.take(unit)
-        if held is not None and kind == "misses":
-            self.stats.count(key, "dropped")  # FSDP2 dropped the gather (e.g. finalize_backward) or a reset did
-        if kind == "misses" or held is Held.prefetched:
-            self._gathered.add(unit)  # not a gather someone else left pending: that may predate a step
-        if scope is None or scope.demand_only:
+        demand = _compat.classify_demand(unit.state)
+        self.stats.count(key, Count.demands)
+        self.stats.count(key, demand.counter)
+        if self._window.demanded(unit, missed=demand is Demand.miss):
+            self.stats.count(key, Count.dropped)
+        if scope is None or scope.strategy.mode is ScopeMode.demand:
             return
         scope.backward_started |= phase is Phase.backward
-        if scope.recording is not None:
-            with _compat.trace("fsdp_replay::record", unit.fqn, phase.value):
-                scope.recording.append(Entry(unit, phase, kind != "resident", scope.segment))
-            return
-        if scope.cursor is not None and not self._replay_matches(scope, unit, phase):
-            return
-        if kind == "misses" and _compat.may_gather(state):
-            # Issued before any prefetch, so the demanded gather is not queued behind them.
-            with _compat.trace("fsdp_replay::gather_at_demand", unit.fqn):
-                _compat.issue_unshard(state, backward=not phase.in_forward)
-        if scope.cursor is not None:
-            scope.cursor.advance()
-            self._refill(scope, demanded=unit)
-        else:
-            self._prefetch_static(scope, unit, phase)
+        if (divergence := scope.strategy.on_demand(unit, phase, demand)) is not None:
+            self._diverge(scope, f"scope {scope.key!r} {divergence}")
 
     def on_lifecycle_reshard(self, unit: Unit) -> bool:
         """FSDP2 is about to reshard ``unit`` after a use; True skips it (the unit is kept)."""
@@ -245,7 +273,7 @@ class PrefetchScheduler:
         if first is None:
             return False
         if first:
-            self.stats.count(self._scope.key if self._scope is not None else None, "kept")
+            self.stats.count(self._scope.key if self._scope is not None else None, Count.kept)
         return True
 
     def on_other_party(self, unit: Unit, call: _compat.OtherPartyCall) -> None:
@@ -259,12 +287,15 @@ class PrefetchScheduler:
             return
         if held is Held.prefetched and call == "reshard":
             _compat.release(unit.state)
-        self.stats.count(self._scope.key if self._scope is not None else None, "dropped")
+        self.stats.count(self._scope.key if self._scope is not None else None, Count.dropped)
 
-    def on_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+    # --- the optimizer step (a global optimizer hook) ---------------------------------------------
+
+    def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """``optimizer.step()`` is about to run."""
         if not self._steps_our_params(optimizer):
             return
-        self._gathered.clear()
+        self._window.step_taken()
         scope = self._scope
         if scope is None:
             return
@@ -275,39 +306,41 @@ class PrefetchScheduler:
                 self._warned_step_in_scope = True
                 logger.warning(
                     "fsdp_replay: optimizer.step() inside iteration(key=%r) released %d pending prefetches "
-                    "(they would run on stale weights); call step() after the scope",
-                    scope.key,
-                    len(self._window),
+                    "(they would run on stale weights); call step() after the scope", scope.key, len(self._window)
                 )
-            self.stats.count(scope.key, "wasted", self._window.release_all())
+            self.stats.count(scope.key, Count.wasted, self._window.release_all())
 
     # --- scopes ----------------------------------------------------------------------------------
 
     def _begin_scope(self, key: str, *, explicit: bool, rerecord: bool = False) -> _Scope:
-        scope = _Scope(key=key, explicit=explicit)
-        if self.config.mode is PrefetchMode.demand:
-            scope.demand_only = True
-        elif self.config.mode is PrefetchMode.record_and_replay:
-            if rerecord and key in self._orders:
-                self._drop_order(key, reason="rerecord=True")
-            order = self._orders.get(key)
-            if order is None:
-                scope.recording = []
-            else:
-                if self.config.check_ranks and key not in self._verified:
-                    self._verify_across_ranks(key, order)
-                scope.cursor = Cursor(
-                    order, forward_depth=self.config.forward_prefetch, backward_depth=self.config.backward_prefetch
-                )
+        scope = _Scope(key=key, explicit=explicit, strategy=self._strategy_for(key, rerecord=rerecord))
         self._scope = scope
-        if not scope.demand_only and (root_state := self._root_state()) is not None:
+        if scope.strategy.mode is not ScopeMode.demand and (root_state := self._root_state()) is not None:
             # This scope may gather before FSDP2's root pre-forward (first step, or a resumed run).
             _compat.ensure_lazy_init(root_state)
         if explicit:
-            self._refill(scope)  # the scope's first gathers go out before its first forward
+            scope.strategy.provide()  # the scope's first gathers go out before its first forward
         # An automatic scope opens inside the root's pre-forward, which is already its first
         # demand: that demand gathers at the point of use, and replay starts from there.
         return scope
+
+    def _strategy_for(self, key: str, *, rerecord: bool) -> Strategy:
+        """The mode of a new scope of ``key``: the configured mode, and for record-and-replay
+        whether the key has an order to replay."""
+        mode = self.config.mode
+        if mode is PrefetchMode.demand:
+            return DEMAND_ONLY
+        count_prefetch = functools.partial(_weakly(self._count), key, Count.prefetches)
+        if mode is PrefetchMode.static:
+            return Static(self._static_successors, self._depth, self._window, count_prefetch)
+        if rerecord:
+            self._orders.drop(key, reason="rerecord=True")
+        order = self._orders.get(key)
+        if order is None:
+            return Record()
+        if self.config.check_ranks and self._orders.needs_check(key):
+            check_across_ranks(key, self._orders, self.units[0].state)
+        return Replay(Cursor(order, depth=self._depth), self._window, count_prefetch)
 
     def _close_auto_scope(self, scope: _Scope) -> None:
         """An automatic scope still open at the next root forward or optimizer step."""
@@ -318,130 +351,34 @@ class PrefetchScheduler:
 
     def _end_scope(self, scope: _Scope, *, failure: str | None = None) -> None:
         self._scope = None
-        self.stats.count(scope.key, "wasted", self._window.release_all())
+        self.stats.count(scope.key, Count.wasted, self._window.release_all())
         if failure is not None:
-            if scope.key in self._orders:
-                self._drop_order(scope.key, reason=failure)
+            self._orders.drop(scope.key, reason=failure)
             return
-        if scope.recording is not None:
-            if scope.recording:
-                self._orders[scope.key] = ExecutionOrder(scope.recording)
-                self._verified.discard(scope.key)
-                self.stats.count(scope.key, "recordings")
-                logger.debug("fsdp_replay: recorded %d demands for scope %r", len(scope.recording), scope.key)
-            return
-        cursor = scope.cursor
-        if cursor is not None and not scope.demand_only and not cursor.done:
-            self._diverge(
-                scope,
-                f"scope {scope.key!r} ended after {cursor.position} of {len(cursor.order)} recorded demands; "
-                f"next expected {cursor.expected.describe()}",
-            )
-
-    def _replay_matches(self, scope: _Scope, unit: Unit, phase: Phase) -> bool:
-        cursor = scope.cursor
-        expected = cursor.expected
-        if expected is not None and expected.matches(unit, phase):
-            return True
-        self._diverge(
-            scope,
-            f"scope {scope.key!r} diverged at demand {cursor.position}: expected "
-            f"{expected.describe() if expected is not None else 'the end of the recorded order'}, "
-            f"got ({unit.fqn!r}, {phase.value!r})",
-        )
-        return False
+        strategy = scope.strategy
+        if isinstance(strategy, Record):
+            if entries := strategy.recording.entries:
+                self._orders.install(scope.key, entries)
+                self.stats.count(scope.key, Count.recordings)
+                logger.debug("fsdp_replay: recorded %d demands for scope %r", len(entries), scope.key)
+        elif isinstance(strategy, Replay) and (unfinished := strategy.unfinished()) is not None:
+            self._diverge(scope, f"scope {scope.key!r} {unfinished}")
 
     def _diverge(self, scope: _Scope, detail: str) -> None:
-        self.stats.count(scope.key, "divergences")
+        self.stats.count(scope.key, Count.divergences)
         self._go_demand_only(scope)
-        self._drop_order(scope.key, reason=detail)
-        if self.config.on_divergence == "raise":
+        self._orders.drop(scope.key, reason=detail)
+        if self.config.on_divergence is DivergencePolicy.raise_:
             raise PrefetchDivergenceError(f"fsdp_replay: {detail} (on_divergence='raise')")
 
     def _go_demand_only(self, scope: _Scope) -> None:
-        scope.demand_only = True
-        self.stats.count(scope.key, "wasted", self._window.release_all())
+        scope.strategy = DEMAND_ONLY
+        self.stats.count(scope.key, Count.wasted, self._window.release_all())
 
-    def _drop_order(self, key: str, *, reason: str) -> None:
-        if self._orders.pop(key, None) is not None:
-            self._verified.discard(key)
-            logger.warning("fsdp_replay: invalidated the recorded order of %r: %s", key, reason)
+    # --- helpers ---------------------------------------------------------------------------------
 
-    # --- prefetch --------------------------------------------------------------------------------
-
-    def _refill(self, scope: _Scope, demanded: Unit | None = None) -> None:
-        """Provide for the next entries of the cursor's lookahead, nearest first.
-
-        At most ``depth`` all-gathers are in flight ahead. A unit in use now (``demanded``, about
-        to run, or an outer unit still running) that its entry needs again is not resharded and
-        gathered again: it is kept unsharded, which costs its bytes but no gather slot. A unit
-        already unsharded or gathering by someone else's doing needs nothing.
-        """
-        cursor = scope.cursor
-        if cursor is None or scope.demand_only:
-            return
-        ahead = cursor.lookahead()
-        gathers = 0
-        for entry in ahead.entries:
-            unit = entry.unit
-            if entry.segment > scope.segment:
-                return  # the current backward has not finished yet
-            held = self._window.holds(unit)
-            if held is not None:
-                gathers += held is Held.prefetched
-                continue
-            state = unit.state
-            in_use = unit is demanded or _compat.in_use(state)
-            if not in_use and not _compat.is_sharded_idle(state):
-                continue  # resident or gathering already (accumulation settings, a user's unshard)
-            if (not in_use and gathers >= ahead.gathers) or not self._window.fits(unit):
-                return  # the next demand frees a slot or room
-            if in_use:
-                if not self._keeps or unit not in self._gathered:
-                    return  # cannot keep it (no FSDP2 internals, or stale values): nothing later may jump the queue
-                self._window.keep(unit)
-            elif self._window.prefetch(unit, backward=not entry.phase.in_forward):
-                gathers += 1
-                self.stats.count(scope.key, "prefetches")
-
-    def _prefetch_static(self, scope: _Scope, unit: Unit, phase: Phase) -> None:
-        """Module-tree order in forward, its reverse in backward: the attach-time guess.
-
-        A wrong guess stays pending until its unit is used, so the gathers already held count
-        against the depth: memory stays within ``depth`` units ahead however often it guesses wrong.
-        """
-        depth = self.config.depth(phase.in_forward)
-        for successor in self._static_next[phase.in_forward][unit][:depth]:
-            if len(self._window) >= depth:
-                return
-            if not _compat.is_sharded_idle(successor.state):
-                continue
-            if not self._window.fits(successor):
-                return
-            if self._window.prefetch(successor, backward=not phase.in_forward):
-                self.stats.count(scope.key, "prefetches")
-
-    # --- cross-rank check -----------------------------------------------------------------------
-
-    def _verify_across_ranks(self, key: str, order: ExecutionOrder) -> None:
-        """Compare length + digest over the units' process group; on mismatch raise on every rank."""
-        state = self.units[0].state
-        group = _compat.process_group(state)
-        if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
-            self._verified.add(key)
-            return
-        with _compat.trace("fsdp_replay::check_ranks", key):
-            mine = torch.tensor([len(order), order.digest()], dtype=torch.int64, device=_compat.device(state))
-            # Pre-filled with our own value: a no-op (fake) backend then compares equal.
-            gathered = [mine.clone() for _ in range(dist.get_world_size(group))]
-            dist.all_gather(gathered, mine, group=group)
-            if all(torch.equal(g, mine) for g in gathered):
-                self._verified.add(key)
-                return
-            all_orders: list[Any] = [order.to_state() for _ in gathered]
-            dist.all_gather_object(all_orders, order.to_state(), group=group)
-        self._orders.pop(key, None)
-        raise RankMismatchError(_describe_rank_mismatch(key, all_orders))
+    def _count(self, key: str, counter: Count) -> None:
+        self.stats.count(key, counter)  # looked up per call: reset_stats() replaces the stats
 
     def _steps_our_params(self, optimizer: torch.optim.Optimizer) -> bool:
         if optimizer not in self._optimizers_seen:
@@ -450,43 +387,14 @@ class PrefetchScheduler:
             )
         return self._optimizers_seen[optimizer]
 
-    def _check_attached(self) -> None:
-        if not self.attached:
-            raise RuntimeError("this PrefetchScheduler was detached; attach() a new one")
 
+def _weakly(method: Callable[..., None]) -> Callable[..., None]:
+    """A scheduler's ``method`` that does not keep the scheduler (or its model) alive, for what
+    outlives a call: the global optimizer hook, a scope's strategy. Once it is gone, a no-op."""
+    ref = weakref.WeakMethod(method)
 
-def _static_successors(units: list[Unit]) -> dict[bool, dict[Unit, list[Unit]]]:
-    """For each unit, the units after it in forward (True) and backward (False) static order."""
-    backward = list(reversed(units))
-    return {
-        True: {u: units[i + 1 :] for i, u in enumerate(units)},
-        False: {u: backward[i + 1 :] for i, u in enumerate(backward)},
-    }
-
-
-def _describe_rank_mismatch(key: str, orders: list[list[tuple]]) -> str:
-    reference = orders[0]
-    lines = [f"fsdp_replay: ranks recorded different demand orders for scope {key!r} (check_ranks=True):"]
-    for rank, order in enumerate(orders[1:], start=1):
-        if order == reference:
-            continue
-        pos = first_difference(reference, order)
-        ref = reference[pos][:2] if pos < len(reference) else "end of order"
-        got = order[pos][:2] if pos < len(order) else "end of order"
-        lines.append(
-            f"  first difference at demand {pos}: rank 0 has {ref}, rank {rank} has {got} "
-            f"(lengths {len(reference)} vs {len(order)})"
-        )
-    lines.append("Every rank must run the same units in the same order; replay would mismatch collectives.")
-    return "\n".join(lines)
-
-
-def _weak_step_hook(scheduler: PrefetchScheduler) -> Any:
-    """A global optimizer hook that does not keep the scheduler (or its model) alive."""
-    ref = weakref.ref(scheduler)
-
-    def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def call(*args: Any) -> None:
         if (live := ref()) is not None:
-            live.on_optimizer_step(optimizer)
+            live(*args)
 
-    return hook
+    return call

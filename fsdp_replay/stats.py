@@ -1,8 +1,48 @@
-"""Prefetch counters, cumulative over a scheduler's life, with a per-scope-key breakdown."""
+"""Prefetch counters, cumulative over a scheduler's life, with a per-scope-key breakdown.
+
+Also the vocabulary that stats, the scheduler, the observer (``fsdp_replay.testing``) and
+messages share: :class:`Demand` names how a demand finds its unit, :class:`Count` names a counter.
+"""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field, fields
+
+
+class Count(str, enum.Enum):
+    """A counter of :class:`KeyStats`; its value is the field's name (and the key of ``as_dict()``)."""
+
+    demands = "demands"
+    hits = "hits"
+    misses = "misses"
+    resident = "resident"
+    prefetches = "prefetches"
+    kept = "kept"
+    wasted = "wasted"
+    dropped = "dropped"
+    divergences = "divergences"
+    recordings = "recordings"
+
+
+class Demand(str, enum.Enum):
+    """How a demand finds its unit, read from FSDP2's own state at the moment of use."""
+
+    counter: Count
+    """The counter of :class:`KeyStats` that demands of this class add to."""
+
+    def __new__(cls, value: str, counter: Count) -> Demand:
+        member = str.__new__(cls, value)
+        member._value_ = value
+        member.counter = counter  # a plain attribute: read once per demand
+        return member
+
+    hit = "hit", Count.hits
+    """Its all-gather was issued ahead of the demand and is pending."""
+    miss = "miss", Count.misses
+    """Sharded with no gather pending: the all-gather is issued at the point of use."""
+    resident = "resident", Count.resident
+    """Already unsharded: no all-gather is needed."""
 
 
 @dataclass
@@ -32,10 +72,13 @@ class KeyStats:
     recordings: int = 0
     """Orders recorded and installed."""
 
-    def add(self, counter: str, n: int = 1) -> None:
-        setattr(self, counter, getattr(self, counter) + n)
+    def add(self, counter: Count, n: int = 1) -> None:
+        # A Count is its field's name (a str). Through __dict__, as getattr/setattr with a str
+        # subclass skip the type's lookup cache, and this runs a few times per demand.
+        self.__dict__[counter] += n
 
     def as_dict(self) -> dict[str, int]:
+        """Every counter by its field's name."""
         return {f.name: getattr(self, f.name) for f in fields(KeyStats)}
 
     @property
@@ -51,7 +94,7 @@ class PrefetchStats(KeyStats):
     per_key: dict[str, KeyStats] = field(default_factory=dict)
     """The same counters split by scope key (``"train"``, ``"auto:grad"``, ...)."""
 
-    def count(self, key: str | None, counter: str, n: int = 1) -> None:
+    def count(self, key: str | None, counter: Count, n: int = 1) -> None:
         """Bump a counter in the totals and, when inside a scope, in that key's breakdown."""
         self.add(counter, n)
         if key is not None:

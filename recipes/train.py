@@ -34,8 +34,8 @@ from omegaconf.errors import OmegaConfBaseException
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp_replay import PrefetchMode, PrefetchScheduler, fully_shard, scheduler_of
-from fsdp_replay.hydra import MicrobatchSchedule, TrainJobConfig, quiet_nonzero_ranks, register_configs, to_job_config
 from train_lib.checkpoint import load_checkpoint, save_checkpoint
+from train_lib.config import MicrobatchSchedule, TrainJobConfig, quiet_nonzero_ranks, register_configs, to_job_config
 from train_lib.llama import Transformer
 from train_lib.report import RunReport, stats_delta
 from train_lib.tokens import Split, TokenData, load_tokens

@@ -1,4 +1,8 @@
-"""An independent witness: reads FSDP2's own state at each demand, without the scheduler's counters."""
+"""An independent witness: reads FSDP2's own state at each demand, without the scheduler's counters.
+
+It reads FSDP2's internals itself rather than through ``fsdp_replay._compat``, so its account does
+not rest on the code it checks; it shares only the vocabulary (:class:`~fsdp_replay.stats.Demand`).
+"""
 
 from __future__ import annotations
 
@@ -8,16 +12,18 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.distributed._composable_state import _get_module_state
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+from fsdp_replay.stats import Demand
+from fsdp_replay.testing.internals import fsdp_state, gather_pending, param_groups
 
 
 def fsdp_units(root: nn.Module) -> dict[str, Any]:
     """Every FSDP2 state with parameters under ``root``, by its module names joined with ``+``."""
     names: dict[Any, list[str]] = {}
     for name, module in root.named_modules():
-        if isinstance(module, FSDPModule) and (state := _get_module_state(module))._fsdp_param_groups:
+        if isinstance(module, FSDPModule) and param_groups(state := fsdp_state(module)):
             names.setdefault(state, []).append(name or "<root>")
     return {"+".join(labels): state for state, labels in names.items()}
 
@@ -27,27 +33,28 @@ def held_units(root: nn.Module) -> list[str]:
     return [
         name
         for name, state in fsdp_units(root).items()
-        if any(g._all_gather_result is not None or not g.is_sharded for g in state._fsdp_param_groups)
+        if any(gather_pending(g) or not g.is_sharded for g in param_groups(state))
     ]
 
 
-def _gather_state(state: Any) -> str:
-    groups = state._fsdp_param_groups
-    if any(g._all_gather_result is not None for g in groups):
-        return "hit"
+def _gather_state(state: Any) -> Demand:
+    groups = param_groups(state)
+    if any(gather_pending(g) for g in groups):
+        return Demand.hit
     if all(g.is_unsharded for g in groups):
-        return "resident"
-    return "miss"
+        return Demand.resident
+    return Demand.miss
 
 
 class DemandObserver:
     """Hooks that run before fsdp_replay's and FSDP2's, logging ``(fqn, phase, hit|miss|resident)``.
 
-    Register after attaching the scheduler: prepended hooks registered later run first.
+    Register after attaching the scheduler, so these hooks run first (see
+    [Note: hook order and the end of backward] in ``fsdp_replay/_hooks.py``).
     """
 
     def __init__(self, root: nn.Module) -> None:
-        self.log: list[tuple[str, str, str]] = []
+        self.log: list[tuple[str, str, Demand]] = []
         self._handles = []
         for label, state in fsdp_units(root).items():
             for m in state._modules:
@@ -81,12 +88,12 @@ class DemandObserver:
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 t.register_hook(hook)
 
-    def take(self) -> list[tuple[str, str, str]]:
+    def take(self) -> list[tuple[str, str, Demand]]:
         log, self.log = self.log, []
         return log
 
     @staticmethod
-    def counts(log: list[tuple[str, str, str]]) -> dict[str, int]:
+    def counts(log: list[tuple[str, str, Demand]]) -> dict[Demand, int]:
         return dict(collections.Counter(kind for _, _, kind in log))
 
     def remove(self) -> None:

@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
-from fsdp_replay.hydra import ModelConfig
+from train_lib.config import ModelConfig
 
 
 def rotary_tables(

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fsdp_replay.hydra import DataConfig
+from train_lib.config import DataConfig
 
 SUCCESSORS = 4
 """Tokens that may follow each token in the synthetic stream: a floor of ln(4) nats to learn towards."""

@@ -1,12 +1,10 @@
 """Replay keeps a unit unsharded when the order needs it again next, instead of re-gathering it."""
 
 from fsdp_replay import PrefetchConfig, attach
+from fsdp_replay._window import Held
+from fsdp_replay.testing.internals import gather_pending, param_groups, window
 from fsdp_replay.testing.observer import DemandObserver
 from fsdp_replay.testing.workloads import run_iteration, workload
-
-
-def _groups(unit_module):
-    return unit_module._get_fsdp_state()._fsdp_param_groups
 
 
 def _gathers(log):
@@ -15,8 +13,8 @@ def _gathers(log):
 
 def _assert_all_sharded_with_settings_restored(model):
     for block in model.blocks:
-        for group in _groups(block):
-            assert not group.is_unsharded and group._all_gather_result is None
+        for group in param_groups(block):
+            assert not group.is_unsharded and not gather_pending(group)
             assert group.post_forward_mesh_info is not None and group.reshard_after_backward
 
 
@@ -55,7 +53,7 @@ def test_a_keep_takes_no_gather_slot_but_counts_against_the_byte_cap(mesh8):
         held = []
 
         def count_held(module, args):
-            held.append((len(sched._window._prefetched), len(sched._window._kept)))
+            held.append((len(window(sched).units(Held.prefetched)), len(window(sched).units(Held.kept))))
 
         for step in range(3):
             handles = [m.register_forward_pre_hook(count_held) for m in model.blocks]
@@ -109,15 +107,15 @@ def test_a_users_reshard_and_unshard_of_held_units_hand_them_over_cleanly(mesh8)
     seen = {}
 
     def interfere(module, args):
-        window = sched._window
+        held_ahead = window(sched)
         units = {u.fqn: u for u in sched.units}
-        seen["before"] = (window.holds(units["blocks.1"]), window.holds(units["blocks.2"]))
+        seen["before"] = (held_ahead.holds(units["blocks.1"]), held_ahead.holds(units["blocks.2"]))
         model.blocks[1].reshard()
         model.blocks[2].unshard()
-        held = [*window._prefetched, *window._kept]
-        seen["after"] = (window.holds(units["blocks.1"]), window.holds(units["blocks.2"]))
-        seen["bytes"] = (window.bytes_ahead, sum(u.unsharded_bytes for u in held))
-        seen["blocks.1"] = [(g._all_gather_result is None, g.is_sharded) for g in _groups(model.blocks[1])]
+        held = [*held_ahead.units(Held.prefetched), *held_ahead.units(Held.kept)]
+        seen["after"] = (held_ahead.holds(units["blocks.1"]), held_ahead.holds(units["blocks.2"]))
+        seen["bytes"] = (held_ahead.bytes_ahead, sum(u.unsharded_bytes for u in held))
+        seen["blocks.1"] = [(not gather_pending(g), g.is_sharded) for g in param_groups(model.blocks[1])]
 
     handle = model.blocks[0].register_forward_pre_hook(interfere)  # runs after FSDP2's pre-forward
     before = sched.stats.as_dict()

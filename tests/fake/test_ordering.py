@@ -2,8 +2,10 @@
 
 import pytest
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from fsdp_replay import PrefetchConfig, attach
+from fsdp_replay.testing.internals import gather_pending, param_groups, window
 from fsdp_replay.testing.observer import DemandObserver
 from fsdp_replay.testing.workloads import CallSequenceModel, ONE_F_ONE_B, run_iteration, workload
 
@@ -75,8 +77,8 @@ def test_deeper_window_keeps_more_units_in_flight(mesh8):
     in_flight = []
 
     def count_pending(module, args):
-        groups = [g for m in model.modules() if hasattr(m, "_get_fsdp_state") for g in m._get_fsdp_state()._fsdp_param_groups]
-        in_flight.append(sum(g._all_gather_result is not None for g in set(groups)))
+        groups = [g for m in model.modules() if isinstance(m, FSDPModule) for g in param_groups(m)]
+        in_flight.append(sum(gather_pending(g) for g in set(groups)))
 
     for step in range(2):
         in_flight.clear()
@@ -98,7 +100,7 @@ def test_byte_cap_limits_lookahead_but_keeps_one_unit_in_flight(mesh8):
     log = observer.take()
     assert sched.stats.prefetches > 0
     assert all(kind in ("hit", "resident") for _, _, kind in log[-len(log) // 3 :])
-    assert sched._window.bytes_ahead == 0
+    assert window(sched).bytes_ahead == 0
 
 
 def test_static_order_is_module_tree_order_and_its_reverse(mesh8):
@@ -156,7 +158,7 @@ def test_scope_end_before_order_is_consumed_is_a_divergence(mesh8, caplog):
         model(w.make_batch(1, 0))  # forward only: the recorded backward never comes
     assert sched.stats.divergences == 1 and sched.recorded_order("train") is None
     assert sum("invalidated the recorded order of 'train'" in r.message for r in caplog.records) == 1
-    assert all(g._all_gather_result is None for u in sched.units for g in u.state._fsdp_param_groups)
+    assert all(not gather_pending(g) for u in sched.units for g in param_groups(u.state))
 
 
 def test_state_dict_restores_orders_for_replay_from_the_first_step(mesh8):
@@ -211,7 +213,7 @@ def test_static_wrong_guesses_never_hold_more_than_depth_gathers(mesh8):
     model = w.make_model().shard(mesh8)
     sched = attach(model, PrefetchConfig(mode="static"))
     held = []
-    handles = [b.register_forward_pre_hook(lambda m, a: held.append(len(sched._window))) for b in model.blocks]
+    handles = [b.register_forward_pre_hook(lambda m, a: held.append(len(window(sched)))) for b in model.blocks]
     for step in range(2):
         with sched.iteration("train"):
             run_iteration(model, w, step)

@@ -2,9 +2,11 @@
 
 import pytest
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from fsdp_replay import PrefetchConfig, PrefetchDivergenceError, RankMismatchError, attach
 from fsdp_replay.testing.distributed import spawn
+from fsdp_replay.testing.internals import gather_pending, param_groups
 from fsdp_replay.testing.observer import DemandObserver
 from fsdp_replay.testing.workloads import run_iteration, workload
 
@@ -115,10 +117,10 @@ def _train_with_failures(mesh, attach_scheduler: bool, fail_at: dict) -> dict:
         if sched is not None:
             orders[step] = sched.recorded_order("train") is not None
     pending = [
-        g._all_gather_result is not None or g.is_unsharded
+        gather_pending(g) or g.is_unsharded
         for m in model.modules()
-        if hasattr(m, "_get_fsdp_state")
-        for g in m._get_fsdp_state()._fsdp_param_groups
+        if isinstance(m, FSDPModule)
+        for g in param_groups(m)
     ]
     return {"losses": losses, "orders": orders, "kinds": kinds, "leaked": any(pending)}
 

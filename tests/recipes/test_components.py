@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from train import Pass, build_model, lm_loss, microbatch_schedule
+from train_lib.config import DataConfig, MicrobatchSchedule, ModelConfig, TrainJobConfig
 from train_lib.llama import Transformer, apply_rotary, rotary_tables
 from train_lib.tokens import SUCCESSORS, Split, TokenData, file_tokens, load_tokens, synthetic_tokens
 
-from fsdp_replay.hydra import DataConfig, MicrobatchSchedule, ModelConfig, TrainJobConfig
 
 CPU = torch.device("cpu")
 

@@ -11,7 +11,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig
 
 from fsdp_replay import PrefetchConfig, PrefetchMode
-from fsdp_replay.hydra import MicrobatchSchedule, TrainJobConfig, quiet_nonzero_ranks, register_configs, to_job_config
+from train_lib.config import MicrobatchSchedule, TrainJobConfig, quiet_nonzero_ranks, register_configs, to_job_config
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 GROUP_FILES = sorted([*CONFIG_DIR.glob("prefetch/*.yaml"), *CONFIG_DIR.glob("model/*.yaml")])

@@ -275,15 +275,19 @@ HYDRA_BAD = [
 
 
 def _hydra_available() -> bool:
-    return (REPO / "fsdp_replay" / "hydra.py").exists() and (REPO / "configs" / "train.yaml").exists()
+    return (REPO / "recipes" / "train_lib" / "config.py").exists() and (REPO / "configs" / "train.yaml").exists()
 
 
-@pytest.mark.skipif(not _hydra_available(), reason="fsdp_replay/hydra.py and configs/train.yaml are not in this checkout")
+@pytest.mark.skipif(
+    not _hydra_available(), reason="recipes/train_lib/config.py and configs/train.yaml are not in this checkout"
+)
 @pytest.mark.parametrize(("override", "field"), HYDRA_BAD, ids=[o for o, _ in HYDRA_BAD])
 def test_bad_hydra_override_fails_naming_the_field_before_any_process_group(override, field):
     from hydra import compose, initialize_config_dir
 
-    from fsdp_replay.hydra import register_configs, to_job_config
+    if str(REPO / "recipes") not in sys.path:
+        sys.path.insert(0, str(REPO / "recipes"))  # as when the recipe runs: its train_lib package
+    from train_lib.config import register_configs, to_job_config
 
     _tried("hydra: override")
     register_configs()

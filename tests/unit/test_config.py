@@ -1,6 +1,7 @@
 import pytest
 
-from fsdp_replay import PrefetchConfig, PrefetchMode
+from fsdp_replay import Phase, PrefetchConfig, PrefetchMode
+from fsdp_replay._order import Depth
 
 
 def test_defaults_are_record_and_replay_depth_one():
@@ -40,4 +41,5 @@ def test_unknown_divergence_policy_lists_valid_ones():
 
 def test_depth_follows_phase():
     config = PrefetchConfig(forward_prefetch=2, backward_prefetch=3)
-    assert config.depth(in_forward=True) == 2 and config.depth(in_forward=False) == 3
+    depth = Depth(config.forward_prefetch, config.backward_prefetch)  # as the scheduler builds it
+    assert depth.of(Phase.forward) == 2 and depth.of(Phase.backward) == 3

@@ -2,9 +2,9 @@ import weakref
 
 import pytest
 
-from fsdp_replay.order import Cursor, Entry, ExecutionOrder, Phase, first_difference
-from fsdp_replay.stats import PrefetchStats
-from fsdp_replay.units import Unit
+from fsdp_replay._order import Cursor, Depth, Entry, ExecutionOrder, Phase, first_difference
+from fsdp_replay.stats import Count, Demand, KeyStats, PrefetchStats
+from fsdp_replay._units import Unit
 
 
 class _State:
@@ -43,7 +43,7 @@ def test_lookahead_takes_the_phase_depth_skips_resident_and_stops_at_repeats_and
          Entry(a, Phase.forward, True), Entry(c, Phase.backward, True), Entry(r, Phase.backward, False),
          Entry(b, Phase.backward, True), Entry(d, Phase.backward, True), Entry(c, Phase.forward, True, 1)]
     )
-    ahead = order.lookahead(3, 1)
+    ahead = order.lookahead(Depth(3, 1))
     names = [[e.unit.fqn for e in lookahead.entries] for lookahead in ahead]
     # One entry beyond the depth: a unit in use is kept rather than gathered, and takes no gather slot.
     assert names[0] == ["a", "b"]  # root takes no slot; one use of a unit at a time
@@ -52,8 +52,8 @@ def test_lookahead_takes_the_phase_depth_skips_resident_and_stops_at_repeats_and
     assert names[6] == ["b", "d"]
     assert names[7] == ["d"]  # c's forward is in the next segment
     assert names[9] == [] and ahead[9].gathers == 0  # past the end
-    assert all(lookahead.entries == () for lookahead in order.lookahead(0, 0))  # depth 0 holds nothing
-    assert order.lookahead(3, 1) is ahead  # computed once per depths
+    assert all(lookahead.entries == () for lookahead in order.lookahead(Depth(0, 0)))  # depth 0 holds nothing
+    assert order.lookahead(Depth(3, 1)) is ahead  # computed once per depths
 
 
 def test_state_round_trip_and_digest_are_stable():
@@ -97,3 +97,8 @@ def test_stats_keep_totals_and_per_key_breakdown():
     stats.count("eval", "resident")
     assert stats.demands == 4 and stats.per_key["train"].hits == 2 and stats.per_key["eval"].resident == 1
     assert stats.hit_rate == pytest.approx(0.75)
+
+
+def test_counters_name_every_stats_field_and_each_demand_class_its_counter():
+    assert [c.value for c in Count] == list(KeyStats().as_dict())
+    assert {d: d.counter for d in Demand} == {Demand.hit: Count.hits, Demand.miss: Count.misses, Demand.resident: Count.resident}

@@ -1,16 +1,7 @@
 """Translate FSDP2 lifecycle points into scheduler events, with hooks only (no subclassing).
 
-Where each hook sits relative to FSDP2's own:
-- pre-forward, ``prepend=True`` and registered after FSDP2's, so it runs *before* FSDP2 unshards:
-  the demand is classified and the current unit's gather issued first;
-- FSDP2's own pre-backward tensor hook reports a backward demand before it gathers (see
-  ``_compat.report_pre_backward``); without FSDP2's internals, a post-forward hook
-  (``prepend=True``, before FSDP2's ``_post_forward``) adds output tensor hooks ahead of FSDP2's;
-- each param group's reshard/unshard/reset, seen as they happen (``_compat.intercept_group_calls``):
-  FSDP2's own reshard after a use may be skipped for a keep, anyone else's call hands the unit over;
-- FSDP2's root post-backward callback, wherever it runs (``_compat.intercept_backward_end``): the
-  end of a backward. Without FSDP2's internals, an autograd-engine callback on the outermost
-  graph task stands in for it (a reentrant checkpoint's nested backward is not an end).
+Where each hook sits relative to FSDP2's own, and where a backward ends: see
+[Note: hook order and the end of backward] below.
 """
 
 from __future__ import annotations
@@ -25,12 +16,42 @@ import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
 from fsdp_replay import _compat
-from fsdp_replay.order import Phase
-from fsdp_replay.units import Unit
+from fsdp_replay._order import Phase
+from fsdp_replay._units import Unit
+
+# [Note: hook order and the end of backward]
+# A demand must reach the scheduler before FSDP2 acts on it, a scope must open before its first
+# demand, and a backward ends after FSDP2's last reshard of it. Lifecycle point by point:
+# - Root pre-forward: ``register_root`` runs after every unit's registration, and among prepended
+#   hooks the one registered last runs first, so an automatic scope opens before any demand of
+#   that forward (the root unit's own included) is reported.
+# - Unit pre-forward: prepended, and registered after ``fully_shard`` registered FSDP2's, so it
+#   runs before FSDP2's pre-forward unshards: the demand is classified from FSDP2's state as the
+#   demand finds it, and its missing gather is issued before any prefetch. A grouped unit reports
+#   one demand per pass (``_compat.opens_forward``).
+# - Backward use: FSDP2's own pre-backward tensor hook, shadowed per state
+#   (``_compat.report_pre_backward``), reports it just before FSDP2 gathers. Without FSDP2's
+#   internals a prepended post-forward hook (before FSDP2's ``_post_forward``) puts a tensor hook
+#   on each output ahead of FSDP2's; the first gradient to reach any of them is the demand.
+# - FSDP2's reshard after a use, and anyone else's reshard/unshard/reset: each param group's
+#   methods, shadowed (``_compat.intercept_group_calls``); see
+#   [Note: fsdp_replay never owns FSDP2's settings].
+# - End of backward: FSDP2's root post-backward callback, shadowed on every state under the root
+#   (any of them may queue it; ``_compat.intercept_backward_end``). The scheduler's event runs
+#   right after FSDP2's callback, so after FSDP2's last reshards and after it dropped any gather
+#   still pending. FSDP2 queues it once per backward on the outermost graph task (a reentrant
+#   checkpoint's nested backward is not an end); torch pipelining calls it directly when a stage
+#   finalizes. Without FSDP2's internals an autograd-engine callback, queued at the first backward
+#   use of the outermost graph task, stands in: it is queued before FSDP2's (the use is reported
+#   before FSDP2's pre-backward queues its own), so it requeues itself once to run after it. A
+#   backward that raises drops its callbacks, so that task is forgotten at the next root forward.
+# - An observer (``fsdp_replay.testing.observer.DemandObserver``) registers after ``attach()``:
+#   its prepended hooks then run before the scheduler's and FSDP2's, seeing what the demand found.
 
 
 class SchedulerEvents(Protocol):
-    """What the hooks report; implemented by :class:`~fsdp_replay.PrefetchScheduler`."""
+    """What the hooks report, in the order of [Note: hook order and the end of backward];
+    implemented by :class:`~fsdp_replay.PrefetchScheduler`."""
 
     def on_demand(self, unit: Unit, phase: Phase) -> None: ...
     def on_lifecycle_reshard(self, unit: Unit) -> bool: ...
@@ -55,8 +76,8 @@ class HookSet:
     def __init__(self, events: SchedulerEvents) -> None:
         self._events = events
         self._handles: list[RemovableHandle] = []
-        # Public fallback only: the graph task whose end-of-backward callback is queued. A backward
-        # that raises drops its callbacks, so it is forgotten at the next root forward.
+        # Public fallback only: the graph task whose end-of-backward callback is queued
+        # (see [Note: hook order and the end of backward]).
         self._backward_end_task = -1
         self._intercepting = False
         """Whether the end of backward comes from FSDP2's own callback (its internals are available)."""
@@ -80,7 +101,10 @@ class HookSet:
     # --- registration --------------------------------------------------------------------------
 
     def register_unit(self, unit: Unit) -> bool:
-        """Hooks for one unit; True where FSDP2's reshards of it can be seen (and skipped for keeps)."""
+        """Hooks for one unit; True where FSDP2's reshards of it can be seen (and skipped for keeps).
+
+        Call before :meth:`register_root` (see [Note: hook order and the end of backward]).
+        """
         modules = unit.modules()
         for module in modules:
             self._handles.append(
@@ -101,7 +125,7 @@ class HookSet:
         return intercepted
 
     def register_root(self, root: nn.Module) -> None:
-        """Register last: among prepended pre-hooks the latest runs first, so scopes open before demands."""
+        """Register last, so scopes open before demands (see [Note: hook order and the end of backward])."""
         self._handles += [
             root.register_forward_pre_hook(self._on_root_pre_forward, prepend=True),
             # always_call: an automatic scope must learn that its forward raised.
@@ -150,15 +174,14 @@ class HookSet:
     def _on_backward_use(self, unit: Unit) -> None:
         if not self._intercepting and self._backward_end_task == -1:
             # Public fallback: the first backward use names the outermost graph task; a nested one
-            # (a reentrant checkpoint's backward) comes while that is still running.
+            # (a reentrant checkpoint's backward) comes while that is still running. See
+            # [Note: hook order and the end of backward].
             self._backward_end_task = _compat.graph_task_id()
             _compat.queue_backward_callback(self._requeue_backward_end)
         self._events.on_demand(unit, Phase.backward)
 
     def _requeue_backward_end(self) -> None:
-        # Queued before FSDP2's final callback (a backward use is reported before FSDP2's
-        # pre-backward queues it); going to the back of the queue once puts the end-of-backward
-        # event after FSDP2's last reshards.
+        # After FSDP2's own final callback: see [Note: hook order and the end of backward].
         _compat.queue_backward_callback(self._on_backward_end)
 
     def _on_backward_end(self) -> None:

@@ -26,10 +26,15 @@ class Unit:
 
     @property
     def state(self) -> Any:
+        """The unit's FSDP2 state; raises if it was garbage collected (a use of a dead model)."""
         state = self._state()
         if state is None:
             raise RuntimeError(f"fsdp_replay: unit {self.fqn!r} was garbage collected")
         return state
+
+    def state_or_none(self) -> Any:
+        """The unit's FSDP2 state, or None once garbage collected (for teardown, which must not raise)."""
+        return self._state()
 
     def modules(self) -> list[nn.Module]:
         return [m for ref in self._modules if (m := ref()) is not None]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 
 from fsdp_replay import _compat
-from fsdp_replay.units import Unit
+from fsdp_replay._units import Unit
 
 
 class Held(enum.Enum):
@@ -22,21 +22,29 @@ class PrefetchWindow:
 
     A unit is held either as a *prefetch* (its all-gather issued before the demand) or as a *keep*
     (it is in use now, and FSDP2's own reshard at the end of that use is skipped because the order
-    needs the unit again next). Both hold one unit's unsharded bytes, which the byte cap counts;
-    only a prefetch is an all-gather in flight, so only prefetches count against the prefetch depth.
+    needs the unit again next). Both hold one unit's unsharded bytes, which the byte cap counts.
+    Against the prefetch depth, replay counts only the prefetches among the entries it provides
+    for (a keep is no all-gather in flight), while static counts everything held (``len``): it
+    never keeps, and its wrong guesses stay held until used (see ``_strategies.py``).
 
     Every decision here depends only on the recorded order and on unit sizes, which all ranks
     share, so all ranks issue the same all-gathers in the same order. Another party's reshard,
     unshard or reset of a held unit (see [Note: fsdp_replay never owns FSDP2's settings] in
-    ``_compat``) hands it over: :meth:`take` drops it without touching FSDP2.
+    ``_compat/intercept.py``) hands it over: :meth:`take` drops it without touching FSDP2.
     """
 
-    def __init__(self, *, max_bytes: int | None) -> None:
+    def __init__(self, *, max_bytes: int | None, can_keep: bool) -> None:
         self.max_bytes = max_bytes
+        self.can_keep = can_keep
+        """Whether FSDP2's reshards can be seen and skipped (its internals are available)."""
         self._prefetched: dict[Unit, None] = {}
         self._kept: dict[Unit, bool] = {}
         """Kept unit -> whether a reshard of it was skipped (so plain FSDP2 would have it sharded now)."""
         self._bytes_ahead = 0
+        self._gathered: set[Unit] = set()
+        """Units all-gathered since the last optimizer step: only their unsharded values are current.
+        A unit left unsharded across a step is stale, and plain FSDP2 renews it at its next reshard
+        and gather, so only these are ever kept."""
 
     def __len__(self) -> int:
         return len(self._prefetched) + len(self._kept)
@@ -46,6 +54,10 @@ class PrefetchWindow:
         if unit in self._prefetched:
             return Held.prefetched
         return Held.kept if unit in self._kept else None
+
+    def units(self, held: Held) -> list[Unit]:
+        """The units held one way, in the order they joined the window."""
+        return list(self._prefetched if held is Held.prefetched else self._kept)
 
     @property
     def bytes_ahead(self) -> int:
@@ -70,6 +82,10 @@ class PrefetchWindow:
         self._bytes_ahead += unit.unsharded_bytes
         return True
 
+    def may_keep(self, unit: Unit) -> bool:
+        """Whether the in-use ``unit`` may be kept for its next use rather than resharded."""
+        return self.can_keep and unit in self._gathered
+
     def keep(self, unit: Unit) -> None:
         """Hold the in-use ``unit``: FSDP2's reshards of it are skipped until its next demand."""
         self._kept[unit] = False
@@ -83,6 +99,21 @@ class PrefetchWindow:
             return None
         self._kept[unit] = True
         return not skipped
+
+    def demanded(self, unit: Unit, *, missed: bool) -> bool:
+        """``unit``'s demand came (``missed``: FSDP2 must gather it now): it leaves the window.
+
+        Returns whether the window held it although its gather is missing: FSDP2 dropped the
+        prefetch (e.g. when it finalizes a backward), or a reset did.
+        """
+        held = self.take(unit)
+        if missed or held is Held.prefetched:
+            self._gathered.add(unit)  # not a gather someone else left pending: that may predate a step
+        return missed and held is not None
+
+    def step_taken(self) -> None:
+        """An optimizer step updated the sharded parameters: no unsharded value is current now."""
+        self._gathered.clear()
 
     def take(self, unit: Unit) -> Held | None:
         """``unit`` leaves the window, FSDP2 untouched: its demand came, or another party took it over.
@@ -111,12 +142,12 @@ class PrefetchWindow:
         """
         wasted = len(self)
         for unit in self._prefetched:
-            state = unit._state()
+            state = unit.state_or_none()
             if state is not None and _compat.is_pending(state):
                 with _compat.trace("fsdp_replay::release", unit.fqn):
                     _compat.release(state)
         for unit, skipped in self._kept.items():
-            if skipped and (state := unit._state()) is not None:
+            if skipped and (state := unit.state_or_none()) is not None:
                 with _compat.trace("fsdp_replay::release", unit.fqn):
                     _compat.reshard_if_idle(state)
         self._prefetched.clear()

@@ -1,0 +1,97 @@
+"""Issuing and releasing all-gathers, and FSDP2's own recovery and lazy init."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn as nn
+
+from fsdp_replay._compat import public
+from fsdp_replay._compat.guard import INTERNALS_OK, TORCH_RELEASE, fsdp_hook_context
+from fsdp_replay._compat.state import fsdp_state
+
+if INTERNALS_OK:
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    from fsdp_replay._compat.guard import IDLE_STATES
+
+
+def issue_unshard(state: Any, *, backward: bool) -> None:
+    """Start the unit's all-gather without waiting; FSDP2's own pre-hook waits at the point of use.
+
+    On accelerators FSDP2's prefetch path (training state set, side streams) overlaps best; on CPU
+    only ``async_op=True`` lets the gather run beside compute. The caller checks ``may_gather``.
+    """
+    if not INTERNALS_OK:
+        public.issue_unshard(state)
+        return
+    cpu = state._device.type == "cpu"
+    if not cpu:
+        # Issued outside FSDP2's root pre-forward (e.g. right after optimizer.step()), so the
+        # side streams must first see the current stream's writes to the sharded parameters.
+        current = state._device_handle.current_stream()
+        for name in ("all_gather_copy_in_stream", "all_gather_stream"):
+            if (stream := getattr(state._comm_ctx, name, None)) is not None:
+                stream.wait_stream(current)
+    training_state = TrainingState.PRE_BACKWARD if backward else TrainingState.FORWARD
+    with fsdp_hook_context():
+        for group in state._fsdp_param_groups:
+            # What FSDPParamGroup.use_training_state does, without a generator context per gather.
+            saved, group._training_state = group._training_state, training_state
+            try:
+                FSDPParamGroup.unshard(group, async_op=True if cpu else group.unshard_async_op)
+            finally:
+                group._training_state = saved
+
+
+def release(state: Any) -> None:
+    """Finish a pending gather and free it again, so no all-gather outlives its scope."""
+    if not INTERNALS_OK:
+        public.release(state)
+        return
+    with fsdp_hook_context():
+        for group in state._fsdp_param_groups:
+            if group._all_gather_result is not None:
+                group.wait_for_unshard()
+                FSDPParamGroup.reshard(group)  # the class method: our own call, not another party's
+
+
+def reshard_if_idle(state: Any) -> None:
+    """Do the reshard a keep skipped, now that its next use will not come (scope end, divergence).
+
+    A unit mid-use is left to FSDP2's own reshard at the end of that use, and so is one whose
+    gradients torch 2.15's manual backward finalization has not reduced yet (FSDP2 reshards it
+    when it finalizes).
+    """
+    with fsdp_hook_context():
+        for group in state._fsdp_param_groups:
+            pending_reduction = getattr(group, "_post_backward_pending", False)
+            if group._training_state in IDLE_STATES and group.is_unsharded and not pending_reduction:
+                FSDPParamGroup.reshard(group)  # the class method: our own call, not another party's
+
+
+def ensure_lazy_init(root_state: Any) -> None:
+    """Run FSDP2's root lazy init (idempotent) so gathers can be issued before the first forward."""
+    if INTERNALS_OK:
+        root_state._lazy_init()
+
+
+def reset_iter_state(root: nn.Module) -> None:
+    """FSDP2's recovery after an exception aborted a forward or backward mid-flight."""
+    if not INTERNALS_OK:
+        root.reset_iter_state()
+        return
+    state = fsdp_state(root)
+    if state is None or not state._is_root:
+        return
+    root.reset_iter_state()
+    if TORCH_RELEASE >= (2, 15):
+        return  # torch 2.15's reset clears sharded and unsharded gradients itself
+    # Autograd may already have written .grad to unsharded parameters of units that stay
+    # unsharded (the root); reset_iter_state leaves it, so the next backward would add to it.
+    for unit_state in state._state_ctx.all_states:
+        for group in unit_state._fsdp_param_groups:
+            for fsdp_param in group.fsdp_params:
+                if (unsharded := getattr(fsdp_param, "_unsharded_param", None)) is not None:
+                    unsharded.grad = None

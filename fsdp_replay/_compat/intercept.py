@@ -1,0 +1,203 @@
+"""FSDP2's own methods seen as they happen, and FSDP2's own prefetch turned off while attached.
+
+Each interception is an instance attribute that shadows one of FSDP2's methods on one state or
+param group and calls the class's method inside; ``stop_*`` removes it again (``detach()``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Literal
+
+import torch
+from torch.autograd import Variable
+
+from fsdp_replay._compat.guard import INTERNALS_OK
+
+if INTERNALS_OK:
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+
+def report_pre_backward(state: Any, on_backward_use: Callable[[], None]) -> bool:
+    """Call ``on_backward_use`` just before FSDP2's pre-backward gathers the unit for a backward use.
+
+    FSDP2 registers ``state._pre_backward`` as a tensor hook on every grad-requiring output in its
+    post-forward; an instance attribute shadows that method, so the hook it registers is this
+    wrapper and no second tensor hook per output is needed. A backward use starts when a param
+    group is not already in pre-backward (FSDP2's own test for a no-op). False where FSDP2's
+    internals are not available: the caller then hooks the outputs itself. See
+    [Note: hook order and the end of backward] in ``fsdp_replay/_hooks.py``.
+    """
+    if not INTERNALS_OK:
+        return False
+    fsdp_pre_backward = type(state)._pre_backward.__get__(state)
+    groups = state._fsdp_param_groups
+
+    def pre_backward(grad: torch.Tensor) -> torch.Tensor:
+        if any(g._training_state != TrainingState.PRE_BACKWARD for g in groups):
+            on_backward_use()
+        return fsdp_pre_backward(grad)
+
+    state._pre_backward = pre_backward
+    return True
+
+
+def stop_reporting_pre_backward(state: Any) -> None:
+    state.__dict__.pop("_pre_backward", None)
+
+
+# --- FSDP2's reshards and unshards, seen as they happen ------------------------------------------
+
+# [Note: fsdp_replay never owns FSDP2's settings]
+# The user (``set_reshard_after_backward`` for gradient accumulation, ``unshard()``/``reshard()``),
+# torch pipelining (``PipelineStage`` toggles reshard/sync per microbatch, the runtime's
+# UNSHARD/RESHARD actions) and ``reset_iter_state`` all drive the same FSDP2 state. fsdp_replay
+# therefore writes none of FSDP2's settings. To keep a unit unsharded for its next use it skips
+# one *lifecycle* reshard (FSDP2's own, after a forward or a backward) at the moment FSDP2 makes
+# it, and only if FSDP2 would really reshard then under whatever settings are current. Any other
+# party's reshard, unshard or reset of a unit the scheduler holds hands that unit over to them:
+# it leaves the window untouched by the scheduler from then on. So whoever sets a field, their
+# value is the one FSDP2 acts on, and a unit ends a step sharded or not exactly as plain FSDP2
+# would leave it.
+
+
+OtherPartyCall = Literal["reshard", "unshard", "reset"]
+"""A call on a unit's FSDP2 state made by someone other than FSDP2's lifecycle or the scheduler."""
+
+
+def intercept_group_calls(
+    state: Any, *, skip_lifecycle_reshard: Callable[[], bool], on_other_party: Callable[[OtherPartyCall], None]
+) -> bool:
+    """Shadow FSDP2's per-group lifecycle methods with instance attributes that report to the scheduler.
+
+    ``skip_lifecycle_reshard()`` is asked when FSDP2's own post-forward or post-backward is about
+    to reshard the group (only where its current settings make that a real reshard); True skips
+    it. ``on_other_party(call)`` is told of every ``reshard``, ``unshard`` or ``_reset_iter_state``
+    that is neither FSDP2's forward/backward lifecycle nor the scheduler's own (which calls the
+    class methods directly). See [Note: fsdp_replay never owns FSDP2's settings].
+    False where FSDP2's internals are not available.
+    """
+    if not INTERNALS_OK:
+        return False
+    for group in state._fsdp_param_groups:
+        _intercept_group(state, group, skip_lifecycle_reshard, on_other_party)
+    return True
+
+
+_INTERCEPTED = ("post_forward", "post_backward", "reshard", "unshard", "_reset_iter_state")
+
+
+def _intercept_group(
+    state: Any,
+    group: Any,
+    skip_lifecycle_reshard: Callable[[], bool],
+    on_other_party: Callable[[OtherPartyCall], None],
+) -> None:
+    cls = type(group)  # FSDP2's methods are looked up at call time, so a later patch of the class still runs
+    in_lifecycle = [False]  # inside FSDP2's post_forward/post_backward of this group
+
+    def lifecycle(name: str) -> Callable[..., Any]:
+        def call(*args: Any) -> Any:
+            in_lifecycle[0] = True
+            try:
+                return getattr(cls, name)(group, *args)
+            finally:
+                in_lifecycle[0] = False
+
+        return call
+
+    def reshard() -> None:
+        if in_lifecycle[0]:
+            # After a forward FSDP2 reshards only while post_forward_mesh_info is set; after a
+            # backward it calls reshard only while reshard_after_backward holds.
+            real = group._training_state is not TrainingState.FORWARD or group.post_forward_mesh_info is not None
+            if real and skip_lifecycle_reshard():
+                return
+        else:
+            on_other_party("reshard")
+        cls.reshard(group)
+
+    def unshard(async_op: bool = False) -> None:
+        # FSDP2's own unshards come from pre-forward, pre-backward and recompute, when the unit's
+        # state is FORWARD or PRE_BACKWARD; from an idle unit it is someone else's call.
+        if state._training_state is TrainingState.IDLE:
+            on_other_party("unshard")
+        cls.unshard(group, async_op)
+
+    def reset_iter_state() -> None:
+        on_other_party("reset")
+        cls._reset_iter_state(group)
+
+    group.post_forward, group.post_backward = lifecycle("post_forward"), lifecycle("post_backward")
+    group.reshard, group.unshard, group._reset_iter_state = reshard, unshard, reset_iter_state
+
+
+def stop_intercepting_group_calls(state: Any) -> None:
+    for group in state._fsdp_param_groups if INTERNALS_OK else ():
+        for name in _INTERCEPTED:
+            group.__dict__.pop(name, None)
+
+
+
+def intercept_backward_end(state: Any, on_backward_end: Callable[[], None]) -> bool:
+    """Call ``on_backward_end`` right after FSDP2's root post-backward callback, whoever runs it.
+
+    Shadowing it on every state under the root makes the scheduler's end of backward FSDP2's own;
+    see [Note: hook order and the end of backward] in ``fsdp_replay/_hooks.py``. False without
+    FSDP2's internals.
+    """
+    if not INTERNALS_OK:
+        return False
+    fsdp_callback = state._root_post_backward_final_callback
+
+    def root_post_backward_final_callback() -> None:
+        fsdp_callback()
+        on_backward_end()
+
+    state._root_post_backward_final_callback = root_post_backward_final_callback
+    return True
+
+
+def stop_intercepting_backward_end(state: Any) -> None:
+    state.__dict__.pop("_root_post_backward_final_callback", None)
+
+
+def queue_backward_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the current autograd graph task ends (the public fallback's end of
+    backward; see [Note: hook order and the end of backward] in ``fsdp_replay/_hooks.py``)."""
+    Variable._execution_engine.queue_callback(callback)
+
+
+# --- FSDP2's own prefetch, turned off while attached ----------------------------------------
+
+
+def disable_own_prefetch(state: Any) -> tuple[Any, Any]:
+    """Turn FSDP2's own prefetch off: no explicit lists, and a backward list holding the unit itself
+    (which turns the implicit backward prefetch off too).
+
+    Returns ``(saved, installed)`` for :func:`restore_own_prefetch`.
+    """
+    if not INTERNALS_OK:  # the lists cannot be read publicly: detach() leaves FSDP2's defaults
+        state.set_modules_to_forward_prefetch([])
+        state.set_modules_to_backward_prefetch([state])
+        return None, None
+    saved = (state._states_to_forward_prefetch, state._states_to_backward_prefetch)
+    installed: tuple[list[Any], list[Any]] = ([], [state])
+    state._states_to_forward_prefetch, state._states_to_backward_prefetch = installed
+    return saved, installed
+
+
+def restore_own_prefetch(state: Any, saved: Any, installed: Any) -> None:
+    """Put back each list the scheduler replaced, unless someone set a list of their own since.
+
+    FSDP2's setters assign a new list, so identity tells whether ours is still there.
+    See [Note: fsdp_replay never owns FSDP2's settings].
+    """
+    if not INTERNALS_OK:
+        state.set_modules_to_forward_prefetch([])
+        state.set_modules_to_backward_prefetch([])
+        return
+    if state._states_to_forward_prefetch is installed[0]:
+        state._states_to_forward_prefetch = saved[0]
+    if state._states_to_backward_prefetch is installed[1]:
+        state._states_to_backward_prefetch = saved[1]
+

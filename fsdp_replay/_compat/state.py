@@ -1,0 +1,167 @@
+"""Reads of FSDP2 state: which units exist, their sizes, and how a unit stands at a demand."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
+from torch.utils._pytree import tree_leaves
+
+from fsdp_replay._compat import public
+from fsdp_replay._compat.guard import INTERNALS_OK
+from fsdp_replay.stats import Demand
+
+if INTERNALS_OK:
+    from torch.distributed._composable_state import _get_module_state
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    from fsdp_replay._compat.guard import IDLE_STATES
+
+
+def fsdp_state(module: nn.Module) -> Any:
+    """The FSDP2 state object shared by all modules of one ``fully_shard`` call (public API: the module)."""
+    if not isinstance(module, FSDPModule):
+        return None
+    if INTERNALS_OK:
+        state = _get_module_state(module)
+        return state if isinstance(state, FSDPState) else None
+    return module
+
+
+def state_modules(state: Any) -> tuple[nn.Module, ...]:
+    return tuple(state._modules) if INTERNALS_OK else (state,)
+
+
+def has_params(state: Any) -> bool:
+    if INTERNALS_OK:
+        return bool(state._fsdp_param_groups)
+    return any(True for _ in public.managed_params(state))
+
+
+def unsharded_bytes(state: Any) -> int:
+    """Bytes of the unit's own parameters once all-gathered, in the dtype they are gathered in."""
+    if not INTERNALS_OK:  # the parameters' own dtype: a mixed-precision policy is not public
+        return sum(p.numel() * p.element_size() for p in public.managed_params(state))
+    total = 0
+    for group in state._fsdp_param_groups:
+        for fsdp_param in group.fsdp_params:
+            dtype = getattr(fsdp_param, "param_dtype", None) or fsdp_param.sharded_param.dtype
+            total += fsdp_param._orig_size.numel() * dtype.itemsize
+    return total
+
+
+def is_root_initialized_as_child(state: Any) -> bool:
+    """True once FSDP2's lazy init has decided this state is *not* the root."""
+    return INTERNALS_OK and state._is_root is False
+
+
+def process_group(state: Any) -> Any:
+    """The process group the unit all-gathers over (what cross-rank checks must use)."""
+    if INTERNALS_OK:
+        return state._fsdp_param_groups[0]._all_gather_process_group if state._fsdp_param_groups else None
+    return public.process_group(state)
+
+
+def device(state: Any) -> torch.device:
+    if INTERNALS_OK:
+        return state._device
+    return next(public.managed_params(state)).device
+
+
+# --- gather state, read at demand time ---------------------------------------------------------
+
+
+def classify_demand(state: Any) -> Demand:
+    """How a demand finds the unit: a gather pending (hit), unsharded (resident), or neither (miss)."""
+    if is_pending(state):
+        if not INTERNALS_OK:
+            del public.pending[state]  # FSDP2's pre-hook waits on it now
+        return Demand.hit
+    return Demand.resident if is_resident(state) else Demand.miss
+
+
+def is_pending(state: Any) -> bool:
+    """An all-gather was issued and not yet waited on (public API: only the scheduler's own)."""
+    if not INTERNALS_OK:
+        return state in public.pending
+    groups = state._fsdp_param_groups
+    if len(groups) == 1:  # the common case, without a generator per call
+        return groups[0]._all_gather_result is not None
+    return any(g._all_gather_result is not None for g in groups)
+
+
+def is_resident(state: Any) -> bool:
+    """Parameters are unsharded (no all-gather needed)."""
+    if not INTERNALS_OK:
+        return public.is_resident(state)
+    return all(g.is_unsharded for g in state._fsdp_param_groups)
+
+
+def is_sharded_idle(state: Any) -> bool:
+    """Neither resident nor pending: a use now would have to gather."""
+    return not is_pending(state) and not is_resident(state)
+
+
+def in_use(state: Any) -> bool:
+    """A forward or backward of the unit is running, so FSDP2 reshards it when that use ends."""
+    return INTERNALS_OK and any(g._training_state not in IDLE_STATES for g in state._fsdp_param_groups)
+
+
+def may_gather(state: Any) -> bool:
+    """False while a torch 2.15 asynchronous gradient reduction is pending.
+
+    FSDP2's own forward refuses to run then, and the reduction's ``wait()`` drops any gather issued
+    in that window, so the scheduler issues none there.
+    """
+    if not INTERNALS_OK:
+        return True
+    if getattr(state._comm_ctx, "active_gradient_reduction", None) is not None:
+        return False
+    return not getattr(state._state_ctx, "gradient_reduction_pending", False)
+
+
+# --- where a hook fires in FSDP2's lifecycle ----------------------------------------------------
+
+
+def opens_forward(state: Any) -> bool:
+    """Whether this pre-forward starts a new forward pass of the unit (grouped units fire per module)."""
+    return not INTERNALS_OK or state._training_state != TrainingState.FORWARD
+
+
+def in_pre_backward(state: Any) -> bool:
+    return INTERNALS_OK and state._training_state == TrainingState.PRE_BACKWARD
+
+
+def completes_forward(state: Any, module: nn.Module) -> bool:
+    """Whether FSDP2's post-forward for ``module`` is the full one (reshard + pre-backward hooks).
+
+    A grouped ``fully_shard([a, b])`` finishes its forward only on the last module to run.
+    """
+    if not INTERNALS_OK or len(state._modules) == 1:
+        return True
+    pending = state._modules_to_run_forward
+    return len(pending) == 1 and module in pending
+
+
+def graph_task_id() -> int:
+    """The running autograd graph task, or -1 outside backward."""
+    return torch._C._current_graph_task_id()
+
+
+def in_backward() -> bool:
+    """Inside an autograd graph task: a forward here is activation-checkpoint recompute."""
+    return graph_task_id() != -1
+
+
+def grad_tensors(tree: Any) -> Iterator[torch.Tensor]:
+    """Tensors in an (args, kwargs, output) structure that autograd will send gradients to."""
+    if isinstance(tree, torch.Tensor):  # the common module output: skip pytree
+        if tree.requires_grad:
+            yield tree
+        return
+    for leaf in tree_leaves(tree):
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+            yield leaf

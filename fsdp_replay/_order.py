@@ -1,0 +1,264 @@
+"""What comes next: a recorded iteration, the cursor that replays it, and how far ahead it looks.
+
+Everything about the order lives here: the demands of a scope as they are recorded
+(:class:`Recording`), the immutable sequence they become (:class:`ExecutionOrder`), the prefetch
+depth of each phase (:class:`Depth`), the lookahead of each position (what a refill may provide
+for), and the segment rule (a segment is the part of a scope between two ends of backward).
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import logging
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Sequence
+
+from fsdp_replay._units import Unit
+
+logger = logging.getLogger("fsdp_replay")
+
+
+class Phase(enum.Enum):
+    """Why a unit needed its parameters."""
+
+    forward = "forward"
+    backward = "backward"
+    recompute = "recompute"
+    """A forward re-run during backward by activation checkpointing."""
+
+    @property
+    def in_forward(self) -> bool:
+        """Recompute happens inside backward, so it prefetches with the backward depth."""
+        return self is Phase.forward
+
+
+class Depth(NamedTuple):
+    """All-gathers that may be in flight ahead of use, per phase (``PrefetchConfig``'s two depths)."""
+
+    forward: int = 1
+    backward: int = 1
+    """Also the depth of recompute, which runs inside a backward."""
+
+    def of(self, phase: Phase) -> int:
+        return self.forward if phase.in_forward else self.backward
+
+
+@dataclass(frozen=True, eq=False)
+class Entry:
+    """One demand of a recorded iteration."""
+
+    unit: Unit
+    phase: Phase
+    needs_gather: bool
+    """The unit was sharded when this demand came while recording, so replay must gather for it.
+
+    Units that stay unsharded (the root, ``reshard_after_forward=False``) never take a slot.
+    """
+    segment: int = 0
+    """Backward passes finished before this demand in its scope (see :meth:`Cursor.lookahead`)."""
+
+    def matches(self, unit: Unit, phase: Phase) -> bool:
+        return self.unit is unit and self.phase is phase
+
+    def describe(self) -> str:
+        return f"({self.unit.fqn!r}, {self.phase.value!r})"
+
+
+class Recording:
+    """The demands of a scope being recorded, each with the segment it falls in."""
+
+    def __init__(self) -> None:
+        self.entries: list[Entry] = []
+        self.segment = 0
+        """Backward passes finished so far in the scope."""
+
+    def append(self, unit: Unit, phase: Phase, *, needs_gather: bool) -> None:
+        self.entries.append(Entry(unit, phase, needs_gather, self.segment))
+
+    def end_backward(self) -> None:
+        self.segment += 1
+
+
+class Lookahead(NamedTuple):
+    """What a refill at one position may provide for."""
+
+    entries: tuple[Entry, ...]
+    """Upcoming entries that need a gather, nearest first: ``gathers`` of them, plus one for a unit
+    still in use, which is kept unsharded instead of gathered and so takes no gather slot."""
+    gathers: int
+    """All-gathers that may be in flight ahead: the prefetch depth of the phase being entered."""
+    segment: int = 0
+    """The segment all of ``entries`` are in."""
+
+
+_NOTHING_AHEAD = Lookahead((), 0)
+
+
+class ExecutionOrder:
+    """An immutable recorded demand sequence; repeats and mixed phases included."""
+
+    def __init__(self, entries: Sequence[Entry]) -> None:
+        self.entries: tuple[Entry, ...] = tuple(entries)
+        self._lookaheads: dict[Depth, tuple[Lookahead, ...]] = {}
+
+    def lookahead(self, depth: Depth) -> tuple[Lookahead, ...]:
+        """Per position, what a refill there may provide for; computed once per depth.
+
+        The depth is that of the phase the position heads into (0: nothing is held ahead).
+        Entries that were resident while recording take no slot; the entries end at a segment
+        boundary (see :meth:`Cursor.lookahead`) and at a unit's second entry (one use at a time
+        is provided for: the unit is kept unsharded from one use to the next, or gathered for
+        the next).
+        """
+        if depth not in self._lookaheads:
+            self._lookaheads[depth] = tuple(
+                _lookahead_from(self.entries, position, depth.of(entry.phase))
+                for position, entry in enumerate(self.entries)
+            ) + (_NOTHING_AHEAD,)
+        return self._lookaheads[depth]
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __getitem__(self, position: int) -> Entry:
+        return self.entries[position]
+
+    def as_list(self) -> list[tuple[str, str]]:
+        return [(e.unit.fqn, e.phase.value) for e in self.entries]
+
+    def to_state(self) -> list[tuple[str, str, bool, int]]:
+        """A picklable form keyed by FQN, for checkpoints and cross-rank comparison."""
+        return [(e.unit.fqn, e.phase.value, e.needs_gather, e.segment) for e in self.entries]
+
+    @classmethod
+    def from_state(cls, items: Sequence[Sequence], units: dict[str, Unit]) -> ExecutionOrder:
+        entries = []
+        for position, (fqn, phase, needs_gather, segment) in enumerate(items):
+            if fqn not in units:
+                raise ValueError(
+                    f"recorded order entry {position} names unit {fqn!r}, which this model does not "
+                    f"have; units are {', '.join(units)}"
+                )
+            entries.append(Entry(units[fqn], Phase(phase), bool(needs_gather), int(segment)))
+        return cls(entries)
+
+    def digest(self) -> int:
+        """A 62-bit fingerprint that ranks compare instead of whole orders."""
+        h = hashlib.sha256()
+        for fqn, phase, needs_gather, segment in self.to_state():
+            h.update(f"{fqn}\0{phase}\0{int(needs_gather)}\0{segment}\n".encode())
+        return int.from_bytes(h.digest()[:8], "little") >> 2
+
+
+class RecordedOrders:
+    """The installed order of each scope key, and which of them the ranks have compared."""
+
+    def __init__(self) -> None:
+        self._orders: dict[str, ExecutionOrder] = {}
+        self._checked: set[str] = set()
+
+    def get(self, key: str) -> ExecutionOrder | None:
+        return self._orders.get(key)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._orders
+
+    def keys(self) -> list[str]:
+        return list(self._orders)
+
+    def install(self, key: str, entries: Sequence[Entry]) -> None:
+        self._orders[key] = ExecutionOrder(entries)
+        self._checked.discard(key)
+
+    def drop(self, key: str, *, reason: str) -> None:
+        """Forget ``key``'s order (its next scope records again), saying why in the log."""
+        if self._orders.pop(key, None) is not None:
+            self._checked.discard(key)
+            logger.warning("fsdp_replay: invalidated the recorded order of %r: %s", key, reason)
+
+    def discard_unchecked(self, key: str) -> None:
+        """Forget ``key``'s order without a log line: the ranks disagree on it, and an error says so."""
+        self._orders.pop(key, None)
+
+    def needs_check(self, key: str) -> bool:
+        return key not in self._checked
+
+    def checked(self, key: str) -> None:
+        self._checked.add(key)
+
+    def to_state(self) -> dict[str, list[tuple[str, str, bool, int]]]:
+        return {key: order.to_state() for key, order in self._orders.items()}
+
+    def load_state(self, state: dict[str, Any], units: dict[str, Unit]) -> None:
+        """Replace every order with those of ``state`` (all or none: a bad entry raises first)."""
+        orders = {key: ExecutionOrder.from_state(items, units) for key, items in state.items()}
+        self._orders = orders
+        self._checked.clear()  # loaded orders are compared across ranks before first use
+
+
+def first_difference(a: Sequence, b: Sequence) -> int:
+    """Position of the first differing item (the shorter length if one is a prefix of the other)."""
+    for position, (x, y) in enumerate(zip(a, b)):
+        if tuple(x) != tuple(y):
+            return position
+    return min(len(a), len(b))
+
+
+class Cursor:
+    """A monotonic position in an order: each demand is checked against ``expected`` then ``advance``d."""
+
+    def __init__(self, order: ExecutionOrder, *, depth: Depth = Depth()) -> None:
+        self.order = order
+        self.position = 0
+        self.segment = 0
+        """Backward passes finished so far in the replayed scope."""
+        self._entries = order.entries
+        self._lookahead = order.lookahead(depth)
+
+    @property
+    def expected(self) -> Entry | None:
+        return self._entries[self.position] if self.position < len(self._entries) else None
+
+    @property
+    def done(self) -> bool:
+        return self.position >= len(self._entries)
+
+    def advance(self) -> None:
+        self.position += 1
+
+    def end_backward(self) -> None:
+        self.segment += 1
+
+    def lookahead(self) -> Lookahead:
+        """What a refill may provide for now, not yet demanded (see :meth:`ExecutionOrder.lookahead`).
+
+        The segment rule: FSDP2 drops the gathers still pending when a backward finalizes, so
+        nothing is provided for across the end of a backward. It has two halves: a lookahead
+        never crosses into the next segment (``_lookahead_from``), and one that starts in the
+        next segment (the last demand of a backward was replayed, the backward has not ended
+        yet) waits for :meth:`end_backward`. The position never passes the end (a demand there
+        diverges), where the lookahead is empty.
+        """
+        ahead = self._lookahead[self.position]
+        return ahead if ahead.segment <= self.segment else _NOTHING_AHEAD
+
+
+def _lookahead_from(entries: tuple[Entry, ...], position: int, depth: int) -> Lookahead:
+    if depth == 0:
+        return _NOTHING_AHEAD
+    segment = entries[position].segment
+    picked: list[Entry] = []
+    units: set[Unit] = set()
+    for i in range(position, len(entries)):
+        entry = entries[i]
+        # depth + 1 entries: the nearest may be a unit in use, kept rather than gathered.
+        if len(picked) > depth or entry.segment != segment:
+            break  # the first half of the segment rule (see Cursor.lookahead)
+        if not entry.needs_gather:
+            continue
+        if entry.unit in units:
+            break
+        picked.append(entry)
+        units.add(entry.unit)
+    return Lookahead(tuple(picked), depth, segment)

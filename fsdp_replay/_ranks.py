@@ -1,0 +1,63 @@
+"""The cross-rank check of a recorded order: replaying different orders would mismatch collectives."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fsdp_replay import _compat
+from fsdp_replay._order import ExecutionOrder, RecordedOrders, first_difference
+
+
+class RankMismatchError(RuntimeError):
+    """Ranks recorded different orders; replaying them would issue mismatched collectives."""
+
+
+def check_across_ranks(key: str, orders: RecordedOrders, state: Any) -> None:
+    """Compare ``key``'s order (length + digest) over the process group of ``state``'s unit.
+
+    Marks it checked if all ranks agree; otherwise forgets it and raises on every rank.
+
+    Raises:
+        RankMismatchError: naming, for each rank that differs from rank 0, the first differing demand.
+    """
+    all_orders = _every_ranks_order_if_they_differ(key, orders.get(key), state)
+    if all_orders is not None:
+        orders.discard_unchecked(key)
+        raise RankMismatchError(_describe_rank_mismatch(key, all_orders))
+    orders.checked(key)
+
+
+def _every_ranks_order_if_they_differ(key: str, order: ExecutionOrder, state: Any) -> list[Any] | None:
+    group = _compat.process_group(state)
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return None
+    with _compat.trace("fsdp_replay::check_ranks", key):
+        mine = torch.tensor([len(order), order.digest()], dtype=torch.int64, device=_compat.device(state))
+        # Pre-filled with our own value: a no-op (fake) backend then compares equal.
+        gathered = [mine.clone() for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, mine, group=group)
+        if all(torch.equal(g, mine) for g in gathered):
+            return None
+        all_orders: list[Any] = [order.to_state() for _ in gathered]
+        dist.all_gather_object(all_orders, order.to_state(), group=group)
+    return all_orders
+
+
+def _describe_rank_mismatch(key: str, orders: list[list[tuple]]) -> str:
+    reference = orders[0]
+    lines = [f"fsdp_replay: ranks recorded different demand orders for scope {key!r} (check_ranks=True):"]
+    for rank, order in enumerate(orders[1:], start=1):
+        if order == reference:
+            continue
+        pos = first_difference(reference, order)
+        ref = reference[pos][:2] if pos < len(reference) else "end of order"
+        got = order[pos][:2] if pos < len(order) else "end of order"
+        lines.append(
+            f"  first difference at demand {pos}: rank 0 has {ref}, rank {rank} has {got} "
+            f"(lengths {len(reference)} vs {len(order)})"
+        )
+    lines.append("Every rank must run the same units in the same order; replay would mismatch collectives.")
+    return "\n".join(lines)

@@ -1,0 +1,225 @@
+"""What a scope does with each demand: one small strategy object per mode.
+
+The scheduler classifies and counts a demand, then hands it to its scope's strategy, which
+decides what to provide for next: :class:`Record` appends it to a recording, :class:`Replay`
+checks it against the recorded order and refills from the order's lookahead, :class:`Static`
+prefetches the unit's module-tree successors, and :class:`DemandOnly` does nothing. What comes
+next is the order's to say (``_order.py``); what is held is the window's (``_window.py``). A
+strategy never changes its scope's mode: a replay that leaves its order returns why, and the
+scheduler switches the scope to :data:`DEMAND_ONLY`.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Callable, Protocol
+
+from fsdp_replay import _compat
+from fsdp_replay._order import Cursor, Depth, Phase, Recording
+from fsdp_replay._units import Unit
+from fsdp_replay._window import Held, PrefetchWindow
+from fsdp_replay.stats import Demand
+
+CountPrefetch = Callable[[], None]
+"""Counts one prefetch issued under the scope's key (the scheduler's stats may be replaced)."""
+
+
+class ScopeMode(enum.Enum):
+    """What a scope does with its demands; fixed when it opens, except that it may fall back to demand."""
+
+    record = "record"
+    """The key has no order yet: every demand is recorded and nothing is prefetched."""
+    replay = "replay"
+    """Each demand is checked against the key's order, and the next entries are provided for."""
+    static = "static"
+    """The attach-time guess: each demand prefetches the units after it in module-tree order."""
+    demand = "demand"
+    """Nothing is prefetched: ``demand`` mode, or the rest of a scope after a divergence."""
+
+
+class Strategy(Protocol):
+    mode: ScopeMode
+
+    def on_demand(self, unit: Unit, phase: Phase, demand: Demand) -> str | None:
+        """Act on a demand the scheduler has classified; returns why it left the order, if it did."""
+
+    def end_backward(self) -> None:
+        """A backward of the scope finished (FSDP2's root post-backward callback ran)."""
+
+    def provide(self) -> None:
+        """Provide for what comes next: at an explicit scope's start and after each of its backwards."""
+
+
+def gather_at_demand(unit: Unit, phase: Phase) -> None:
+    """Issue a missed unit's gather before any prefetch, so it is not queued behind them."""
+    if _compat.may_gather(state := unit.state):
+        with _compat.trace("fsdp_replay::gather_at_demand", unit.fqn):
+            _compat.issue_unshard(state, backward=not phase.in_forward)
+
+
+class DemandOnly:
+    """No prefetch: every unit is gathered at its point of use, by FSDP2."""
+
+    mode = ScopeMode.demand
+
+    def on_demand(self, unit: Unit, phase: Phase, demand: Demand) -> None:
+        pass
+
+    def end_backward(self) -> None:
+        pass
+
+    def provide(self) -> None:
+        pass
+
+
+DEMAND_ONLY = DemandOnly()
+"""Stateless, so one instance serves every scope."""
+
+
+class Record:
+    """Append each demand to a recording; the scheduler installs it as the key's order if the scope succeeds.
+
+    Nothing is prefetched while recording: FSDP2 gathers every unit at its point of use.
+    """
+
+    mode = ScopeMode.record
+
+    def __init__(self) -> None:
+        self.recording = Recording()
+
+    def on_demand(self, unit: Unit, phase: Phase, demand: Demand) -> None:
+        with _compat.trace("fsdp_replay::record", unit.fqn, phase.value):
+            self.recording.append(unit, phase, needs_gather=demand is not Demand.resident)
+
+    def end_backward(self) -> None:
+        self.recording.end_backward()
+
+    def provide(self) -> None:
+        pass
+
+
+class Replay:
+    """Walk the key's recorded order with a cursor, providing for its next entries after each demand.
+
+    Replay counts only the prefetches among the entries it provides for against the depth: a
+    kept unit is no all-gather in flight, so it takes no slot (its bytes still count in the window).
+    """
+
+    mode = ScopeMode.replay
+
+    def __init__(self, cursor: Cursor, window: PrefetchWindow, count_prefetch: CountPrefetch) -> None:
+        self.cursor = cursor
+        self._window = window
+        self._count_prefetch = count_prefetch
+
+    def on_demand(self, unit: Unit, phase: Phase, demand: Demand) -> str | None:
+        cursor = self.cursor
+        expected = cursor.expected
+        if expected is None or not expected.matches(unit, phase):
+            return (
+                f"diverged at demand {cursor.position}: expected "
+                f"{expected.describe() if expected is not None else 'the end of the recorded order'}, "
+                f"got ({unit.fqn!r}, {phase.value!r})"
+            )
+        if demand is Demand.miss:
+            gather_at_demand(unit, phase)
+        cursor.advance()
+        self.provide(demanded=unit)
+        return None
+
+    def end_backward(self) -> None:
+        self.cursor.end_backward()
+
+    def unfinished(self) -> str | None:
+        """Why a scope ending now left its order: some recorded demands never came."""
+        cursor = self.cursor
+        if cursor.done:
+            return None
+        return (
+            f"ended after {cursor.position} of {len(cursor.order)} recorded demands; "
+            f"next expected {cursor.expected.describe()}"
+        )
+
+    def provide(self, demanded: Unit | None = None) -> None:
+        """Provide for the cursor's lookahead, nearest first (after each demand, at an explicit
+        scope's start and after each of its backwards).
+
+        At most ``depth`` all-gathers are in flight ahead. A unit in use now (``demanded``, about
+        to run, or an outer unit still running) that its entry needs again is not resharded and
+        gathered again: it is kept unsharded, which costs its bytes but no gather slot. A unit
+        already unsharded or gathering by someone else's doing needs nothing.
+        """
+        ahead = self.cursor.lookahead()
+        window = self._window
+        gathers = 0
+        for entry in ahead.entries:
+            unit = entry.unit
+            held = window.holds(unit)
+            if held is not None:
+                gathers += held is Held.prefetched
+                continue
+            state = unit.state
+            in_use = unit is demanded or _compat.in_use(state)
+            if not in_use and not _compat.is_sharded_idle(state):
+                continue  # resident or gathering already (accumulation settings, a user's unshard)
+            if (not in_use and gathers >= ahead.gathers) or not window.fits(unit):
+                return  # the next demand frees a slot or room
+            if in_use:
+                if not window.may_keep(unit):
+                    return  # cannot keep it (no FSDP2 internals, or stale values): nothing later may jump the queue
+                window.keep(unit)
+            elif window.prefetch(unit, backward=not entry.phase.in_forward):
+                gathers += 1
+                self._count_prefetch()
+
+
+class Static:
+    """Module-tree order in forward, its reverse in backward: the attach-time guess.
+
+    Static counts every unit held against the depth, not only its prefetches as replay does. It
+    never keeps, and a wrong guess stays held (its gather pending) until its unit is used, so
+    memory stays within ``depth`` units ahead however often it guesses wrong.
+    """
+
+    mode = ScopeMode.static
+
+    def __init__(
+        self, successors: StaticSuccessors, depth: Depth, window: PrefetchWindow, count_prefetch: CountPrefetch
+    ) -> None:
+        self._successors = successors
+        self._depth = depth
+        self._window = window
+        self._count_prefetch = count_prefetch
+
+    def on_demand(self, unit: Unit, phase: Phase, demand: Demand) -> None:
+        if demand is Demand.miss:
+            gather_at_demand(unit, phase)
+        depth = self._depth.of(phase)
+        window = self._window
+        for successor in self._successors[phase.in_forward][unit][:depth]:
+            if len(window) >= depth:
+                return
+            if not _compat.is_sharded_idle(successor.state):
+                continue
+            if not window.fits(successor):
+                return
+            if window.prefetch(successor, backward=not phase.in_forward):
+                self._count_prefetch()
+
+    def end_backward(self) -> None:
+        pass
+
+    def provide(self) -> None:
+        pass  # each demand guesses afresh: nothing is provided for ahead of the first
+
+
+StaticSuccessors = dict[bool, dict[Unit, list[Unit]]]
+
+
+def static_successors(units: list[Unit]) -> StaticSuccessors:
+    """For each unit, the units after it in forward (True) and backward (False) static order."""
+    backward = list(reversed(units))
+    return {
+        True: {u: units[i + 1 :] for i, u in enumerate(units)},
+        False: {u: backward[i + 1 :] for i, u in enumerate(backward)},
+    }

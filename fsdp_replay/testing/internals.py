@@ -1,0 +1,36 @@
+"""What tests read of FSDP2's internals and of the scheduler's, in one place.
+
+FSDP2's are read directly, not through ``fsdp_replay._compat``, so a check does not rest on the
+code it checks (as in :mod:`fsdp_replay.testing.observer`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn as nn
+from torch.distributed._composable_state import _get_module_state
+
+from fsdp_replay._window import PrefetchWindow
+from fsdp_replay.scheduler import PrefetchScheduler
+
+
+def fsdp_state(module: nn.Module) -> Any:
+    """The FSDP2 state of a ``fully_shard`` module (shared by the modules of a grouped unit)."""
+    return _get_module_state(module)
+
+
+def param_groups(unit: nn.Module | Any) -> list[Any]:
+    """FSDP2's param groups of a ``fully_shard`` module, or of an FSDP2 state (e.g. ``Unit.state``)."""
+    state = _get_module_state(unit) if isinstance(unit, nn.Module) else unit
+    return list(state._fsdp_param_groups)
+
+
+def gather_pending(group: Any) -> bool:
+    """An all-gather of this param group was issued and not yet waited on."""
+    return group._all_gather_result is not None
+
+
+def window(scheduler: PrefetchScheduler) -> PrefetchWindow:
+    """The scheduler's prefetch window: the units it holds ahead of their use."""
+    return scheduler._window
