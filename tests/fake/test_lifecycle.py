@@ -6,9 +6,11 @@ import weakref
 import pytest
 import torch
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
 
 import fsdp_replay
 from fsdp_replay import PrefetchConfig, attach, scheduler_of
+from fsdp_replay.testing.internals import fsdp_state, param_groups
 from fsdp_replay.testing.observer import DemandObserver
 from fsdp_replay.testing.workloads import run_iteration, workload
 
@@ -145,13 +147,12 @@ def test_detach_leaves_no_shadowed_fsdp2_method_and_keeps_lists_set_while_attach
         run_iteration(model, w, 0)
     model.blocks[2].set_modules_to_forward_prefetch([model.blocks[3]])  # the user's, set while attached
     sched.detach()
-    state2 = model.blocks[2]._get_fsdp_state()
-    assert state2._states_to_forward_prefetch == [model.blocks[3]._get_fsdp_state()]  # their value wins
+    assert fsdp_state(model.blocks[2])._states_to_forward_prefetch == [fsdp_state(model.blocks[3])]  # theirs wins
     for module in model.modules():
-        state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
-        if state is None:
+        if not isinstance(module, FSDPModule):
             continue
+        state = fsdp_state(module)
         assert not {"_pre_backward", "_root_post_backward_final_callback"} & set(vars(state)), module
-        for group in state._fsdp_param_groups:
+        for group in param_groups(state):
             shadowed = {"post_forward", "post_backward", "reshard", "unshard", "_reset_iter_state"} & set(vars(group))
             assert not shadowed, (module, shadowed)
