@@ -10,7 +10,6 @@ and releases whatever the window still holds. README.md "How it behaves" walks i
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import weakref
 from dataclasses import dataclass
@@ -289,11 +288,12 @@ class PrefetchScheduler:
             _compat.release(unit.state)
         self.stats.count(self._scope.key if self._scope is not None else None, Count.dropped)
 
-    # --- the optimizer step (a global optimizer hook) ---------------------------------------------
-
     def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """``optimizer.step()`` is about to run."""
-        if not self._steps_our_params(optimizer):
+        """The global optimizer hook: a step is about to run; only steps of the root's parameters count."""
+        if optimizer not in self._optimizers_seen:
+            params = (p for group in optimizer.param_groups for p in group["params"])
+            self._optimizers_seen[optimizer] = any(id(p) in self._param_ids for p in params)
+        if not self._optimizers_seen[optimizer]:
             return
         self._window.step_taken()
         scope = self._scope
@@ -330,7 +330,7 @@ class PrefetchScheduler:
         mode = self.config.mode
         if mode is PrefetchMode.demand:
             return DEMAND_ONLY
-        count_prefetch = functools.partial(_weakly(self._count), key, Count.prefetches)
+        count_prefetch = _prefetch_counter(self, key)
         if mode is PrefetchMode.static:
             return Static(self._static_successors, self._depth, self._window, count_prefetch)
         if rerecord:
@@ -375,22 +375,9 @@ class PrefetchScheduler:
         scope.strategy = DEMAND_ONLY
         self.stats.count(scope.key, Count.wasted, self._window.release_all())
 
-    # --- helpers ---------------------------------------------------------------------------------
-
-    def _count(self, key: str, counter: Count) -> None:
-        self.stats.count(key, counter)  # looked up per call: reset_stats() replaces the stats
-
-    def _steps_our_params(self, optimizer: torch.optim.Optimizer) -> bool:
-        if optimizer not in self._optimizers_seen:
-            self._optimizers_seen[optimizer] = any(
-                id(p) in self._param_ids for group in optimizer.param_groups for p in group["params"]
-            )
-        return self._optimizers_seen[optimizer]
-
 
 def _weakly(method: Callable[..., None]) -> Callable[..., None]:
-    """A scheduler's ``method`` that does not keep the scheduler (or its model) alive, for what
-    outlives a call: the global optimizer hook, a scope's strategy. Once it is gone, a no-op."""
+    """``method`` for the global optimizer hook, holding the scheduler (and its model) weakly."""
     ref = weakref.WeakMethod(method)
 
     def call(*args: Any) -> None:
@@ -398,3 +385,15 @@ def _weakly(method: Callable[..., None]) -> Callable[..., None]:
             live(*args)
 
     return call
+
+
+def _prefetch_counter(scheduler: PrefetchScheduler, key: str) -> Callable[[], None]:
+    """Counts a prefetch in the scheduler's stats of the moment (``reset_stats()`` replaces them),
+    holding it weakly; allocates nothing per call (a bound method or ``*args`` would feed the GC)."""
+    ref = weakref.ref(scheduler)
+
+    def count() -> None:
+        if (live := ref()) is not None:
+            live.stats.count(key, Count.prefetches)
+
+    return count

@@ -21,9 +21,12 @@ def fsdp_state(module: nn.Module) -> Any:
 
 
 def param_groups(unit: nn.Module | Any) -> list[Any]:
-    """FSDP2's param groups of a ``fully_shard`` module, or of an FSDP2 state (e.g. ``Unit.state``)."""
+    """FSDP2's param groups of a ``fully_shard`` module, or of an FSDP2 state (e.g. ``Unit.state``).
+
+    FSDP2's own list, not a copy (the observer reads it at every demand): do not modify it.
+    """
     state = _get_module_state(unit) if isinstance(unit, nn.Module) else unit
-    return list(state._fsdp_param_groups)
+    return state._fsdp_param_groups
 
 
 def gather_pending(group: Any) -> bool:
