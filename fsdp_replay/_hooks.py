@@ -29,6 +29,8 @@ from fsdp_replay._units import Unit
 #   runs before FSDP2's pre-forward unshards: the demand is classified from FSDP2's state as the
 #   demand finds it, and its missing gather is issued before any prefetch. A grouped unit reports
 #   one demand per pass (``_compat.opens_forward``).
+# - Root post-forward: appended with ``always_call``, so it runs after FSDP2's own post-forward and
+#   also when the forward raised: an automatic scope learns whether a backward follows.
 # - Backward use: FSDP2's own pre-backward tensor hook, shadowed per state
 #   (``_compat.report_pre_backward``), reports it just before FSDP2 gathers. Without FSDP2's
 #   internals a prepended post-forward hook (before FSDP2's ``_post_forward``) puts a tensor hook
