@@ -3,8 +3,8 @@ import weakref
 import pytest
 
 from fsdp_replay._order import Cursor, Depth, Entry, ExecutionOrder, Phase, first_difference
-from fsdp_replay.stats import Count, Demand, KeyStats, PrefetchStats
 from fsdp_replay._units import Unit
+from fsdp_replay.stats import Count, Demand, KeyStats, PrefetchStats
 
 
 class _State:
