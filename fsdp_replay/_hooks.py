@@ -78,9 +78,10 @@ class HookSet:
     def __init__(self, events: SchedulerEvents) -> None:
         self._events = events
         self._handles: list[RemovableHandle] = []
-        # Public fallback only: the graph task whose end-of-backward callback is queued
-        # (see [Note: hook order and the end of backward]).
-        self._backward_end_task = -1
+        # Public fallback only: an end-of-backward callback is queued on the outermost graph task
+        # (see [Note: hook order and the end of backward]); a raised backward drops it, so the next
+        # root forward clears this.
+        self._backward_end_queued = False
         self._intercepting = False
         """Whether the end of backward comes from FSDP2's own callback (its internals are available)."""
         self._intercepted_states: list[weakref.ref] = []
@@ -142,7 +143,7 @@ class HookSet:
 
     def _on_root_pre_forward(self, module: nn.Module, args: Any) -> None:
         if not _compat.in_backward():
-            self._backward_end_task = -1
+            self._backward_end_queued = False
             self._events.on_root_pre_forward()
 
     def _on_root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -174,11 +175,11 @@ class HookSet:
             self._on_backward_use(unit)
 
     def _on_backward_use(self, unit: Unit) -> None:
-        if not self._intercepting and self._backward_end_task == -1:
+        if not self._intercepting and not self._backward_end_queued:
             # Public fallback: the first backward use names the outermost graph task; a nested one
             # (a reentrant checkpoint's backward) comes while that is still running. See
             # [Note: hook order and the end of backward].
-            self._backward_end_task = _compat.graph_task_id()
+            self._backward_end_queued = True
             _compat.queue_backward_callback(self._requeue_backward_end)
         self._events.on_demand(unit, Phase.backward)
 
@@ -187,5 +188,5 @@ class HookSet:
         _compat.queue_backward_callback(self._on_backward_end)
 
     def _on_backward_end(self) -> None:
-        self._backward_end_task = -1
+        self._backward_end_queued = False
         self._events.on_backward_end()

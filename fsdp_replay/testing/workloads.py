@@ -118,6 +118,15 @@ class Workload:
         return 1 + max(mb for _, mb in self.schedule)
 
 
+def linear_stack(mesh, *, layers: int = 4, dim: int = 8) -> nn.Module:
+    """``nn.Sequential`` of seeded ``Linear(dim, dim)`` layers, one unit each, under a parameter-free root."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(dim, dim) for _ in range(layers)])
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
 def run_iteration(model: nn.Module, workload: Workload, step: int) -> list[float]:
     """Forwards and backwards in schedule order; returns each microbatch's loss."""
     losses: dict[int, torch.Tensor] = {}

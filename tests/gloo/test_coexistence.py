@@ -8,12 +8,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.fsdp import fully_shard
 
 from fsdp_replay import PrefetchConfig, attach
 from fsdp_replay.testing.distributed import spawn
 from fsdp_replay.testing.observer import DemandObserver, held_units
-from fsdp_replay.testing.workloads import CallSequenceModel
+from fsdp_replay.testing.workloads import CallSequenceModel, linear_stack
 
 MODES = ("plain", "demand", "static", "record_and_replay")
 STEPS = 3
@@ -48,14 +47,6 @@ def _train(mesh, model: nn.Module, mode: str, explicit: bool, microbatch) -> dic
         opt.zero_grad()
     order = sched.recorded_order("train" if explicit else "auto:grad") if sched is not None else None
     return {"steps": steps, "params": _local(model.parameters()), "order": order}
-
-
-def _sequential(mesh) -> nn.Module:
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
-    for layer in model:
-        fully_shard(layer, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
 
 
 def _accumulating(sync_too: bool):
@@ -101,9 +92,9 @@ def _reentrant_microbatch(model, step, mb):
 
 
 CASES = {
-    "accumulation_reshard": (_sequential, _accumulating(sync_too=False)),
-    "accumulation_reshard_sync_last": (_sequential, _accumulating(sync_too=True)),
-    "manual_unshard_reshard": (_sequential, _manual),
+    "accumulation_reshard": (linear_stack, _accumulating(sync_too=False)),
+    "accumulation_reshard_sync_last": (linear_stack, _accumulating(sync_too=True)),
+    "manual_unshard_reshard": (linear_stack, _manual),
     "reentrant_checkpoint": (_reentrant, _reentrant_microbatch),
 }
 

@@ -11,27 +11,19 @@ import contextlib
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn as nn
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule
 
 from fsdp_replay import PrefetchConfig, attach
 from fsdp_replay._compat import TORCH_RELEASE
 from fsdp_replay.testing.distributed import spawn
 from fsdp_replay.testing.observer import DemandObserver, held_units
+from fsdp_replay.testing.workloads import linear_stack
 
 MODES = ("plain", "demand", "static", "record_and_replay")
 STEPS = 3
 needs_2_15 = pytest.mark.skipif(
     not hasattr(FSDPModule, "set_manual_backward_finalization"), reason=f"torch {torch.__version__} has no manual finalization"
 )
-
-
-def _model(mesh) -> nn.Module:
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
-    for layer in model:
-        fully_shard(layer, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
 
 
 def _batch(step: int, mb: int) -> torch.Tensor:
@@ -41,7 +33,7 @@ def _batch(step: int, mb: int) -> torch.Tensor:
 
 def _run(mesh, mode: str, finalize: str, keep_storage: bool) -> dict:
     """Two microbatches per step as a pipeline stage runs them: no sync, no reshard, then finalize."""
-    model = _model(mesh)
+    model = linear_stack(mesh)
     if keep_storage:
         model.set_keep_unsharded_storage(True)
     sched = None if mode == "plain" else attach(model, PrefetchConfig(mode=mode))
@@ -118,7 +110,7 @@ def test_replay_under_manual_finalization_hits_and_issues_nothing_fsdp2_drops(ma
 
 def _reset_after_failure(mesh, mode: str) -> dict:
     """An exception mid-backward, FSDP2's documented recovery, then a clean step (grads as plain leaves them)."""
-    model = _model(mesh)
+    model = linear_stack(mesh)
     sched = None if mode == "plain" else attach(model, PrefetchConfig(mode=mode))
     out = []
     for step in range(STEPS):
