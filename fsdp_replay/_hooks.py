@@ -60,7 +60,7 @@ class SchedulerEvents(Protocol):
     def on_other_party(self, unit: Unit, call: _compat.OtherPartyCall) -> None: ...
     def on_root_pre_forward(self) -> None: ...
     def on_root_post_forward(self, *, backward_follows: bool, failed: bool) -> None: ...
-    def on_backward_end(self) -> None: ...
+    def on_backward_end(self, *, finalized_by_caller: bool) -> None: ...
 
 
 class _BackwardDemand:
@@ -187,6 +187,6 @@ class HookSet:
         # After FSDP2's own final callback: see [Note: hook order and the end of backward].
         _compat.queue_backward_callback(self._on_backward_end)
 
-    def _on_backward_end(self) -> None:
+    def _on_backward_end(self, finalized_by_caller: bool = False) -> None:
         self._backward_end_queued = False
-        self._events.on_backward_end()
+        self._events.on_backward_end(finalized_by_caller=finalized_by_caller)

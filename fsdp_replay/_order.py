@@ -8,6 +8,7 @@ for), and the segment rule (a segment is the part of a scope between two ends of
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import hashlib
 import logging
@@ -68,13 +69,26 @@ class Entry:
 class Recording:
     """The demands of a scope being recorded, each with the segment it falls in."""
 
-    def __init__(self) -> None:
+    def __init__(self, units: int) -> None:
         self.entries: list[Entry] = []
         self.segment = 0
         """Backward passes finished so far in the scope."""
+        self.likely_start = 0
+        """Where later scopes probably start: after the first point at which someone else resharded
+        every unit between two demands (a pipeline's cleanup after its shape-inference pass)."""
+        self._units = units
+        self._resharded_by_others: set[Unit] = set()
 
     def append(self, unit: Unit, phase: Phase, *, needs_gather: bool) -> None:
         self.entries.append(Entry(unit, phase, needs_gather, self.segment))
+        self._resharded_by_others.clear()
+
+    def resharded_by_other(self, unit: Unit) -> None:
+        if self.likely_start or not self.entries:
+            return
+        self._resharded_by_others.add(unit)
+        if len(self._resharded_by_others) == self._units:
+            self.likely_start = len(self.entries)
 
     def end_backward(self) -> None:
         self.segment += 1
@@ -98,8 +112,10 @@ _NOTHING_AHEAD = Lookahead((), 0)
 class ExecutionOrder:
     """An immutable recorded demand sequence; repeats and mixed phases included."""
 
-    def __init__(self, entries: Sequence[Entry]) -> None:
+    def __init__(self, entries: Sequence[Entry], *, likely_start: int = 0) -> None:
         self.entries: tuple[Entry, ...] = tuple(entries)
+        self.likely_start = likely_start
+        """Where a first replay starts (``Recording.likely_start``); not kept in checkpoints."""
         self._lookaheads: dict[Depth, tuple[Lookahead, ...]] = {}
 
     def lookahead(self, depth: Depth) -> tuple[Lookahead, ...]:
@@ -123,6 +139,11 @@ class ExecutionOrder:
 
     def __getitem__(self, position: int) -> Entry:
         return self.entries[position]
+
+    def suffix(self, start: int) -> ExecutionOrder:
+        """The order from ``start`` on, its segments numbered from 0 again (``Replay``'s prefix rule)."""
+        first = self.entries[start].segment
+        return ExecutionOrder([dataclasses.replace(e, segment=e.segment - first) for e in self.entries[start:]])
 
     def as_list(self) -> list[tuple[str, str]]:
         return [(e.unit.fqn, e.phase.value) for e in self.entries]
@@ -157,6 +178,8 @@ class RecordedOrders:
     def __init__(self) -> None:
         self._orders: dict[str, ExecutionOrder] = {}
         self._checked: set[str] = set()
+        self._unreplayed: set[str] = set()
+        """Recorded in this process and not replayed yet (see :meth:`first_replay`)."""
 
     def get(self, key: str) -> ExecutionOrder | None:
         return self._orders.get(key)
@@ -167,19 +190,41 @@ class RecordedOrders:
     def keys(self) -> list[str]:
         return list(self._orders)
 
-    def install(self, key: str, entries: Sequence[Entry]) -> None:
-        self._orders[key] = ExecutionOrder(entries)
+    def install(self, key: str, recording: Recording) -> None:
+        start = recording.likely_start if recording.likely_start < len(recording.entries) else 0
+        self._orders[key] = ExecutionOrder(recording.entries, likely_start=start)
         self._checked.discard(key)
+        self._unreplayed.add(key)
+
+    def first_replay(self, key: str) -> bool:
+        """Whether this replay of ``key`` is the first since it was recorded here; it no longer is after.
+
+        Only a first replay may skip a one-off prefix of its recording (``Replay``'s prefix rule):
+        an order loaded from a checkpoint, or replayed before, has none.
+        """
+        first = key in self._unreplayed
+        self._unreplayed.discard(key)
+        return first
+
+    def trim(self, key: str, order: ExecutionOrder) -> None:
+        """Replace ``key``'s order by its suffix that a first replay followed; the ranks' check of it
+        stands (every rank of the group trims the same order at the same demand, or diverges)."""
+        if key in self._orders:
+            self._orders[key] = order
+            logger.info("fsdp_replay: the first replay of %r skipped a one-off prefix of its recording", key)
 
     def drop(self, key: str, *, reason: str) -> None:
         """Forget ``key``'s order (its next scope records again), saying why in the log."""
+        self._unreplayed.discard(key)
         if self._orders.pop(key, None) is not None:
             self._checked.discard(key)
             logger.warning("fsdp_replay: invalidated the recorded order of %r: %s", key, reason)
 
     def discard_unchecked(self, key: str) -> None:
-        """Forget ``key``'s order without a log line: the ranks disagree on it, and an error says so."""
+        """Forget ``key``'s order without a log line (the ranks disagree on it and an error says so, or
+        automatic scopes stopped and a warning says so)."""
         self._orders.pop(key, None)
+        self._unreplayed.discard(key)
 
     def needs_check(self, key: str) -> bool:
         return key not in self._checked
@@ -213,6 +258,7 @@ class Cursor:
         self.position = 0
         self.segment = 0
         """Backward passes finished so far in the replayed scope."""
+        self.depth = depth
         self._entries = order.entries
         self._lookahead = order.lookahead(depth)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -15,18 +15,25 @@ class RankMismatchError(RuntimeError):
     """Ranks recorded different orders; replaying them would issue mismatched collectives."""
 
 
-def check_across_ranks(key: str, orders: RecordedOrders, state: Any) -> None:
-    """Compare ``key``'s order (length + digest) over the process group of ``state``'s unit.
+def check_across_ranks(key: str, orders: RecordedOrders, states: Sequence[Any]) -> None:
+    """Compare ``key``'s order (length + digest) over each distinct process group of the units' ``states``.
 
-    Marks it checked if all ranks agree; otherwise forgets it and raises on every rank.
+    Several groups arise with several roots (model chunks) sharded over different groups; each
+    is compared in the order the states come, which is the same on every rank of it. Marks the
+    order checked if all ranks agree; otherwise forgets it and raises on every rank.
 
     Raises:
         RankMismatchError: naming, for each rank that differs from rank 0, the first differing demand.
     """
-    all_orders = _every_ranks_order_if_they_differ(key, orders.get(key), state)
-    if all_orders is not None:
-        orders.discard_unchecked(key)
-        raise RankMismatchError(_describe_rank_mismatch(key, all_orders))
+    compared: set[int] = set()
+    for state in states:
+        if (group := id(_compat.process_group(state))) in compared:
+            continue
+        compared.add(group)
+        all_orders = _every_ranks_order_if_they_differ(key, orders.get(key), state)
+        if all_orders is not None:
+            orders.discard_unchecked(key)
+            raise RankMismatchError(_describe_rank_mismatch(key, all_orders))
     orders.checked(key)
 
 

@@ -84,8 +84,8 @@ class Record:
 
     mode = ScopeMode.record
 
-    def __init__(self) -> None:
-        self.recording = Recording()
+    def __init__(self, units: int) -> None:
+        self.recording = Recording(units)
 
     def on_demand(self, unit: Unit, phase: Phase, demand: Demand) -> None:
         with _compat.trace("fsdp_replay::record", unit.fqn, phase.value):
@@ -103,19 +103,42 @@ class Replay:
 
     Replay counts only the prefetches among the entries it provides for against the depth: a
     kept unit is no all-gather in flight, so it takes no slot (its bytes still count in the window).
+
+    The prefix rule: a first recording may begin with a one-off pass that later scopes do not run
+    (a pipeline schedule's shape inference runs a forward and backward inside its first ``step()``,
+    then reshards every unit). So the first replay of an order starts at its likely start
+    (``Recording.likely_start``), remembers its demands, and where they leave the order (or end
+    short of it) it looks for another position from which the order matches every one of them; it
+    then follows that suffix, which the scheduler keeps as the order if the scope reaches its end.
+    A wrong realignment is a divergence like any other.
     """
 
     mode = ScopeMode.replay
 
-    def __init__(self, cursor: Cursor, window: PrefetchWindow, count_prefetch: CountPrefetch) -> None:
+    def __init__(
+        self, cursor: Cursor, window: PrefetchWindow, count_prefetch: CountPrefetch, *, may_skip_prefix: bool = False
+    ) -> None:
         self.cursor = cursor
         self._window = window
         self._count_prefetch = count_prefetch
+        self._recorded = cursor.order
+        self._seen: list[tuple[Unit, Phase]] | None = [] if may_skip_prefix else None
+        """The scope's demands so far, on a first replay only (the prefix rule)."""
+        self._start = 0
+        """Where in the recorded order the suffix being followed starts."""
+        if may_skip_prefix and cursor.order.likely_start:
+            self._follow(cursor.order.likely_start, position=0)
+
+    @property
+    def skipped_prefix(self) -> bool:
+        return self._start > 0
 
     def on_demand(self, unit: Unit, phase: Phase, demand: Demand) -> str | None:
-        cursor = self.cursor
-        expected = cursor.expected
-        if expected is None or not expected.matches(unit, phase):
+        if self._seen is not None:
+            self._seen.append((unit, phase))
+        expected = self.cursor.expected
+        if (expected is None or not expected.matches(unit, phase)) and not self._realign(at_end=False):
+            cursor = self.cursor
             return (
                 f"diverged at demand {cursor.position}: expected "
                 f"{expected.describe() if expected is not None else 'the end of the recorded order'}, "
@@ -123,18 +146,39 @@ class Replay:
             )
         if demand is Demand.miss:
             gather_at_demand(unit, phase)
-        cursor.advance()
+        self.cursor.advance()
         self.provide(demanded=unit)
         return None
+
+    def _realign(self, *, at_end: bool) -> bool:
+        """The prefix rule: follow the recording from the first later position that matches every
+        demand of the scope (and, ``at_end``, has no more); False where none does."""
+        seen = self._seen
+        if seen is None:
+            return False
+        recorded = self._recorded
+        last = len(recorded) - len(seen)
+        for start in range(last if at_end else 0, last + 1):
+            if start != self._start and all(recorded[start + i].matches(u, p) for i, (u, p) in enumerate(seen)):
+                self._follow(start, position=len(seen) if at_end else len(seen) - 1)  # the demand being handled
+                return True
+        return False
+
+    def _follow(self, start: int, *, position: int) -> None:
+        cursor = Cursor(self._recorded.suffix(start), depth=self.cursor.depth)
+        cursor.position = position
+        cursor.segment = self.cursor.segment
+        self.cursor = cursor
+        self._start = start
 
     def end_backward(self) -> None:
         self.cursor.end_backward()
 
     def unfinished(self) -> str | None:
         """Why a scope ending now left its order: some recorded demands never came."""
-        cursor = self.cursor
-        if cursor.done:
+        if self.cursor.done or self._realign(at_end=True):
             return None
+        cursor = self.cursor
         return (
             f"ended after {cursor.position} of {len(cursor.order)} recorded demands; "
             f"next expected {cursor.expected.describe()}"
@@ -217,9 +261,14 @@ StaticSuccessors = dict[bool, dict[Unit, list[Unit]]]
 
 
 def static_successors(units: list[Unit]) -> StaticSuccessors:
-    """For each unit, the units after it in forward (True) and backward (False) static order."""
+    """For each unit, the units after it in forward (True) and backward (False) static order.
+
+    Only within its own root: with several (pipeline chunks), when another chunk runs next is the
+    schedule's to say, which a module-tree guess cannot know (FSDP2's own guess is per root too).
+    """
+    forward = {u: [v for v in units[i + 1 :] if v.root == u.root] for i, u in enumerate(units)}
     backward = list(reversed(units))
     return {
-        True: {u: units[i + 1 :] for i, u in enumerate(units)},
-        False: {u: backward[i + 1 :] for i, u in enumerate(backward)},
+        True: forward,
+        False: {u: [v for v in backward[i + 1 :] if v.root == u.root] for i, u in enumerate(backward)},
     }

@@ -16,13 +16,16 @@ class Unit:
     """One ``fully_shard`` call's parameter group(s); grouped ``fully_shard([a, b])`` is one unit."""
 
     fqn: str
-    """Module name(s) under the root, e.g. ``"layers.0"`` or ``"tok_embeddings+output"``."""
+    """Module name(s) under the root, e.g. ``"layers.0"`` or ``"tok_embeddings+output"``; with several
+    roots, qualified by the root's position in ``attach()``'s list: ``"chunk1/layers.0"``."""
     index: int
     """Position in module-tree order (the ``static`` mode's forward order)."""
     unsharded_bytes: int
     """Bytes the unit occupies once all-gathered (what ``max_prefetch_bytes`` budgets)."""
     _state: weakref.ref
     _modules: tuple[weakref.ref, ...]
+    root: int = 0
+    """Position of the unit's root in ``attach()``'s list (its model chunk)."""
 
     @property
     def state(self) -> Any:
@@ -43,10 +46,12 @@ class Unit:
         return f"Unit({self.fqn!r})"
 
 
-def discover_units(root: nn.Module) -> list[Unit]:
+def discover_units(root: nn.Module, *, position: int = 0, prefix: str = "", first_index: int = 0) -> list[Unit]:
     """Every FSDP2 unit with parameters in ``root``'s tree, in module-tree order, deduplicated.
 
-    Units without parameters of their own need no all-gather, so they are not scheduled.
+    Units without parameters of their own need no all-gather, so they are not scheduled. With
+    several roots, ``position`` is the root's, ``prefix`` qualifies each FQN and ``first_index``
+    starts the indices.
     """
     names: dict[Any, list[str]] = {}
     order: list[Any] = []
@@ -65,11 +70,12 @@ def discover_units(root: nn.Module) -> list[Unit]:
         modules = _compat.state_modules(state)
         units.append(
             Unit(
-                fqn="+".join(names[state]),
-                index=len(units),
+                fqn=prefix + "+".join(names[state]),
+                index=first_index + len(units),
                 unsharded_bytes=_compat.unsharded_bytes(state),
                 _state=weakref.ref(state),
                 _modules=tuple(weakref.ref(m) for m in modules),
+                root=position,
             )
         )
     return units

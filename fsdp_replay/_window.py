@@ -111,6 +111,10 @@ class PrefetchWindow:
             self._gathered.add(unit)  # not a gather someone else left pending: that may predate a step
         return missed and held is not None
 
+    def gathered_by_other(self, unit: Unit) -> None:
+        """Someone else all-gathers ``unit`` now (a pipeline's UNSHARD action): its values are current."""
+        self._gathered.add(unit)
+
     def step_taken(self) -> None:
         """An optimizer step updated the sharded parameters: no unsharded value is current now."""
         self._gathered.clear()

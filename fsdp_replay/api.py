@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch.nn as nn
@@ -20,29 +20,60 @@ _ATTRIBUTE = "_fsdp_replay_scheduler"
 _ATTACHED: weakref.WeakSet[PrefetchScheduler] = weakref.WeakSet()
 
 
-def attach(root: nn.Module, config: PrefetchConfig | Mapping[str, Any] | None = None) -> PrefetchScheduler:
+def attach(
+    root: nn.Module | Sequence[nn.Module], config: PrefetchConfig | Mapping[str, Any] | None = None
+) -> PrefetchScheduler:
     """Schedule the unshards of every ``fully_shard`` unit under ``root``.
 
     Args:
         root: the outermost ``fully_shard`` module (the one whose forward runs first), after every
-            unit under it was sharded.
+            unit under it was sharded; or a list of such roots, one per model chunk (pipeline
+            stage) this rank holds, for one scheduler over all of them: one recorded order, one
+            prefetch window and byte cap. Units are then named ``"chunk<i>/<FQN>"``, ``i`` being
+            the root's position in the list.
         config: a :class:`PrefetchConfig`, a mapping of its fields, or None for the defaults. It is
             copied and validated again, so changing it afterwards has no effect.
 
     Returns:
-        The scheduler, which :func:`scheduler_of` also finds from ``root``.
+        The scheduler, which :func:`scheduler_of` also finds from each root.
 
     Raises:
-        TypeError: ``root`` is not an ``FSDPModule``, or ``config`` is of another type.
-        ValueError: ``root`` is not a root FSDP2 module or has no unit with parameters, or a field
-            of ``config`` is invalid (the message names the field and its valid values).
-        RuntimeError: a scheduler is already attached to ``root``, or to an outer root that
-            ``root`` is a unit of.
+        TypeError: a root is not an ``FSDPModule``, or ``config`` is of another type.
+        ValueError: a root is not a root FSDP2 module, the list is empty or names one module
+            twice or a unit of another, no root has a unit with parameters, or a field of
+            ``config`` is invalid (the message names the field and its valid values).
+        RuntimeError: a scheduler is already attached to a root, or to an outer root that a
+            root is a unit of.
 
     .. note::
         While attached, FSDP2's own prefetch is off (nothing is gathered twice);
-        :meth:`PrefetchScheduler.detach` restores it.
+        :meth:`PrefetchScheduler.detach` restores it. With several roots, automatic scopes are
+        off: wrap each step (``schedule.step(...)``) in :meth:`PrefetchScheduler.iteration`.
     """
+    roots = [root] if isinstance(root, nn.Module) else list(root)
+    if not roots:
+        raise ValueError("attach() got an empty list of roots; pass a fully_shard root module or a list of them")
+    for module in roots:
+        _check_root(module)
+    states = [_compat.fsdp_state(m) for m in roots]
+    if len(set(map(id, states))) < len(states):
+        raise ValueError("attach() got the same root twice; pass each model chunk once")
+    for position, module in enumerate(roots):
+        inner = {id(_compat.fsdp_state(m)) for m in module.modules() if m is not module}
+        if any(id(state) in inner for state in states):
+            raise ValueError(
+                f"attach(): root {position} ({type(module).__name__}) contains another root of the list; "
+                "pass only the outermost fully_shard module of each chunk"
+            )
+    scheduler = PrefetchScheduler(roots, _validated(config))
+    for module in roots:
+        setattr(module, _ATTRIBUTE, scheduler)
+    _ATTACHED.add(scheduler)
+    return scheduler
+
+
+def _check_root(root: Any) -> None:
+    """One root as ``attach()`` needs it, and no scheduler attached to it or around it yet."""
     if not isinstance(root, FSDPModule):
         raise TypeError(
             f"attach() needs the root module returned by fully_shard (an FSDPModule), got {type(root).__name__}; "
@@ -62,10 +93,6 @@ def attach(root: nn.Module, config: PrefetchConfig | Mapping[str, Any] | None = 
     for other in list(_ATTACHED):
         if other.attached and any(u.state_or_none() is state for u in other.units):
             raise RuntimeError("attach(): this module is a unit of a scheduler already attached to an outer root")
-    scheduler = PrefetchScheduler(root, _validated(config))
-    setattr(root, _ATTRIBUTE, scheduler)
-    _ATTACHED.add(scheduler)
-    return scheduler
 
 
 def _validated(config: PrefetchConfig | Mapping[str, Any] | None) -> PrefetchConfig:
@@ -83,7 +110,8 @@ def scheduler_of(root: nn.Module) -> PrefetchScheduler | None:
     """The scheduler attached to ``root``.
 
     Args:
-        root: the module given to :func:`attach` (or to :func:`fully_shard` with ``prefetch=``).
+        root: a module given to :func:`attach` (or to :func:`fully_shard` with ``prefetch=``);
+            every root of a multi-chunk scheduler finds the same one.
 
     Returns:
         Its scheduler, or None if none is attached (also after ``detach()``).

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.nn as nn
@@ -23,8 +23,9 @@ from fsdp_replay import _compat
 from fsdp_replay._hooks import HookSet
 from fsdp_replay._order import Cursor, Depth, Phase, RecordedOrders
 from fsdp_replay._ranks import RankMismatchError, check_across_ranks
+from fsdp_replay._roots import Roots
 from fsdp_replay._strategies import DEMAND_ONLY, Record, Replay, ScopeMode, Static, Strategy, static_successors
-from fsdp_replay._units import Unit, discover_units
+from fsdp_replay._units import Unit
 from fsdp_replay._window import Held, PrefetchWindow
 from fsdp_replay.config import DivergencePolicy, PrefetchConfig, PrefetchMode
 from fsdp_replay.stats import Count, Demand, PrefetchStats
@@ -54,29 +55,35 @@ class _Scope:
 
 
 class PrefetchScheduler:
-    """Schedules FSDP2 unshards for every unit under one root; create it with :func:`attach`."""
+    """Schedules FSDP2 unshards for every unit under its roots; create it with :func:`attach`."""
 
-    def __init__(self, root: nn.Module, config: PrefetchConfig) -> None:
+    def __init__(self, roots: Sequence[nn.Module], config: PrefetchConfig) -> None:
         self.config = config
         self.stats = PrefetchStats()
-        self._root = weakref.ref(root)
-        self._root_state = weakref.ref(_compat.fsdp_state(root))
-        self.units: list[Unit] = discover_units(root)
+        self._roots = Roots(roots)
+        self.units: list[Unit] = self._roots.discover_units()
         if not self.units:
-            raise ValueError(f"attach(): no fully_shard unit with parameters under {type(root).__name__}")
+            names = ", ".join(type(root).__name__ for root in roots)
+            raise ValueError(f"attach(): no fully_shard unit with parameters under {names}")
         self._units_by_fqn = {u.fqn: u for u in self.units}
         self._static_successors = static_successors(self.units)
         self._orders = RecordedOrders()
         self._scope: _Scope | None = None
         self._depth = Depth(config.forward_prefetch, config.backward_prefetch)
-        self._param_ids = {id(p) for p in root.parameters()}
+        self._param_ids = {id(p) for root in roots for p in root.parameters()}
         self._optimizers_seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._warned_step_in_scope = False
+        self._automatic_scopes_off: str | None = (
+            "it serves several roots (model chunks)" if len(roots) > 1 else None
+        )
+        """Why forwards outside ``iteration()`` open no scope (then said once, at the first such forward)."""
+        self._warned_automatic_scopes_off = False
         self._saved_prefetch = {unit: _compat.disable_own_prefetch(unit.state) for unit in self.units}
         self._hooks = HookSet(self)
         can_keep = all([self._hooks.register_unit(unit) for unit in self.units])
         self._window = PrefetchWindow(max_bytes=config.max_prefetch_bytes, can_keep=can_keep)
-        self._hooks.register_root(root)
+        for root in roots:
+            self._hooks.register_root(root)
         self._optimizer_hook = register_optimizer_step_pre_hook(_weakly(self._on_optimizer_step))
         weakref.finalize(self, self._optimizer_hook.remove)
         self.attached = True
@@ -126,8 +133,7 @@ class PrefetchScheduler:
             yield
         except BaseException:
             self._end_scope(scope, failure="the scope exited with an exception")
-            if (root := self._root()) is not None:
-                _compat.reset_iter_state(root)
+            self._roots.reset_iter_state()
             raise
         self._end_scope(scope)
 
@@ -217,14 +223,12 @@ class PrefetchScheduler:
     # --- events reported by the hooks (SchedulerEvents; [Note: hook order and the end of backward])
 
     def on_root_pre_forward(self) -> None:
-        """The root's forward starts: outside ``iteration()`` it opens an automatic scope."""
-        root_state = self._root_state()
-        if root_state is not None and _compat.is_root_initialized_as_child(root_state):
-            raise RuntimeError(
-                "fsdp_replay was attached to a module that FSDP2 treats as a child unit; attach to the "
-                "outermost fully_shard module (the one whose forward runs first)"
-            )
+        """A root's forward starts: outside ``iteration()`` it opens an automatic scope."""
+        self._roots.check_still_roots()
         if self._scope is not None and self._scope.explicit:
+            return
+        if self._automatic_scopes_off is not None:
+            self._say_automatic_scopes_off()
             return
         if self._scope is not None:
             self._close_auto_scope(self._scope)
@@ -240,9 +244,17 @@ class PrefetchScheduler:
         elif not backward_follows:
             self._end_scope(scope)  # otherwise the scope ends with its backward
 
-    def on_backward_end(self) -> None:
-        """FSDP2's root post-backward callback ran: a segment of the scope ends."""
+    def on_backward_end(self, *, finalized_by_caller: bool) -> None:
+        """FSDP2's root post-backward callback ran: a segment of the scope ends.
+
+        ``finalized_by_caller``: the callback was called directly rather than by autograd, or
+        under manual backward finalization: a pipeline stage's doing, whose microbatch backwards
+        no automatic scope can delimit.
+        """
         scope = self._scope
+        if finalized_by_caller and (scope is None or not scope.explicit) and self._automatic_scopes_off is None:
+            self._stop_automatic_scopes("its backward is finalized by its caller (as a pipeline stage does)")
+            return
         if scope is None:
             return
         scope.strategy.end_backward()
@@ -281,6 +293,10 @@ class PrefetchScheduler:
         FSDP2's ``reshard()`` leaves a pending gather pending; after theirs, plain FSDP2 would have
         none, so the scheduler's own prefetch is finished and freed first.
         """
+        if call == "reshard" and self._scope is not None and isinstance(self._scope.strategy, Record):
+            self._scope.strategy.recording.resharded_by_other(unit)
+        elif call == "unshard" and _compat.is_sharded_idle(unit.state):
+            self._window.gathered_by_other(unit)  # the gather starts now, after any optimizer step
         held = self._window.take(unit)
         if held is None:
             return
@@ -315,9 +331,9 @@ class PrefetchScheduler:
     def _begin_scope(self, key: str, *, explicit: bool, rerecord: bool = False) -> _Scope:
         scope = _Scope(key=key, explicit=explicit, strategy=self._strategy_for(key, rerecord=rerecord))
         self._scope = scope
-        if scope.strategy.mode is not ScopeMode.demand and (root_state := self._root_state()) is not None:
+        if scope.strategy.mode is not ScopeMode.demand:
             # This scope may gather before FSDP2's root pre-forward (first step, or a resumed run).
-            _compat.ensure_lazy_init(root_state)
+            self._roots.lazy_init()
         if explicit:
             scope.strategy.provide()  # the scope's first gathers go out before its first forward
         # An automatic scope opens inside the root's pre-forward, which is already its first
@@ -337,10 +353,11 @@ class PrefetchScheduler:
             self._orders.drop(key, reason="rerecord=True")
         order = self._orders.get(key)
         if order is None:
-            return Record()
+            return Record(len(self.units))
         if self.config.check_ranks and self._orders.needs_check(key):
-            check_across_ranks(key, self._orders, self.units[0].state)
-        return Replay(Cursor(order, depth=self._depth), self._window, count_prefetch)
+            check_across_ranks(key, self._orders, [unit.state for unit in self.units])
+        may_skip_prefix = self._orders.first_replay(key)
+        return Replay(Cursor(order, depth=self._depth), self._window, count_prefetch, may_skip_prefix=may_skip_prefix)
 
     def _close_auto_scope(self, scope: _Scope) -> None:
         """An automatic scope still open at the next root forward or optimizer step."""
@@ -358,11 +375,14 @@ class PrefetchScheduler:
         strategy = scope.strategy
         if isinstance(strategy, Record):
             if entries := strategy.recording.entries:
-                self._orders.install(scope.key, entries)
+                self._orders.install(scope.key, strategy.recording)
                 self.stats.count(scope.key, Count.recordings)
                 logger.debug("fsdp_replay: recorded %d demands for scope %r", len(entries), scope.key)
-        elif isinstance(strategy, Replay) and (unfinished := strategy.unfinished()) is not None:
-            self._diverge(scope, f"scope {scope.key!r} {unfinished}")
+        elif isinstance(strategy, Replay):
+            if (unfinished := strategy.unfinished()) is not None:
+                self._diverge(scope, f"scope {scope.key!r} {unfinished}")
+            elif strategy.skipped_prefix:
+                self._orders.trim(scope.key, strategy.cursor.order)
 
     def _diverge(self, scope: _Scope, detail: str) -> None:
         self.stats.count(scope.key, Count.divergences)
@@ -370,6 +390,25 @@ class PrefetchScheduler:
         self._orders.drop(scope.key, reason=detail)
         if self.config.on_divergence is DivergencePolicy.raise_:
             raise PrefetchDivergenceError(f"fsdp_replay: {detail} (on_divergence='raise')")
+
+    def _stop_automatic_scopes(self, reason: str) -> None:
+        """No more automatic scopes: their orders are dropped and the open one ends unrecorded."""
+        self._automatic_scopes_off = reason
+        scope = self._scope
+        if scope is not None and not scope.explicit:
+            self._scope = None
+            self.stats.count(scope.key, Count.wasted, self._window.release_all())
+        for key in (AUTO_KEY_GRAD, AUTO_KEY_NO_GRAD):
+            self._orders.discard_unchecked(key)
+        self._say_automatic_scopes_off()
+
+    def _say_automatic_scopes_off(self) -> None:
+        if not self._warned_automatic_scopes_off:
+            self._warned_automatic_scopes_off = True
+            logger.warning(
+                "fsdp_replay: no automatic scopes for this scheduler: %s; wrap each step "
+                "(e.g. schedule.step(...)) in sched.iteration(\"train\") to prefetch", self._automatic_scopes_off
+            )
 
     def _go_demand_only(self, scope: _Scope) -> None:
         scope.strategy = DEMAND_ONLY

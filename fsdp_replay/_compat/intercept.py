@@ -12,6 +12,7 @@ import torch
 from torch.autograd import Variable
 
 from fsdp_replay._compat.guard import INTERNALS_OK
+from fsdp_replay._compat.state import in_backward
 
 if INTERNALS_OK:
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
@@ -138,20 +139,24 @@ def stop_intercepting_group_calls(state: Any) -> None:
 
 
 
-def intercept_backward_end(state: Any, on_backward_end: Callable[[], None]) -> bool:
-    """Call ``on_backward_end`` right after FSDP2's root post-backward callback, whoever runs it.
+def intercept_backward_end(state: Any, on_backward_end: Callable[[bool], None]) -> bool:
+    """Call ``on_backward_end(finalized_by_caller)`` right after FSDP2's root post-backward callback,
+    whoever runs it.
 
     Shadowing it on every state under the root makes the scheduler's end of backward FSDP2's own;
-    see [Note: hook order and the end of backward] in ``fsdp_replay/_hooks.py``. False without
-    FSDP2's internals.
+    see [Note: hook order and the end of backward] in ``fsdp_replay/_hooks.py``.
+    ``finalized_by_caller`` is True where the callback is not autograd's (torch 2.13 pipelining
+    calls it directly) or backward finalization is manual (2.15 pipelining switches it on): the
+    backward's caller, not autograd, decides where the iteration ends. False without FSDP2's internals.
     """
     if not INTERNALS_OK:
         return False
     fsdp_callback = state._root_post_backward_final_callback
 
     def root_post_backward_final_callback() -> None:
+        by_caller = not in_backward() or getattr(state._state_ctx, "manual_backward_finalization_active", None) is True
         fsdp_callback()
-        on_backward_end()
+        on_backward_end(by_caller)
 
     state._root_post_backward_final_callback = root_post_backward_final_callback
     return True

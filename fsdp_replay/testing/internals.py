@@ -6,10 +6,12 @@ code it checks (as in :mod:`fsdp_replay.testing.observer`).
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch.nn as nn
 from torch.distributed._composable_state import _get_module_state
+from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 
 from fsdp_replay._window import PrefetchWindow
 from fsdp_replay.scheduler import PrefetchScheduler
@@ -37,3 +39,24 @@ def gather_pending(group: Any) -> bool:
 def window(scheduler: PrefetchScheduler) -> PrefetchWindow:
     """The scheduler's prefetch window: the units it holds ahead of their use."""
     return scheduler._window
+
+
+@contextlib.contextmanager
+def counting_all_gathers() -> Iterator[list[int]]:
+    """Counts FSDP2's all-gathers issued inside the block (by anyone): ``with ... as n: ...; n[0]``.
+
+    FSDP2's param groups call ``foreach_all_gather`` by their module's global name, once per
+    gather of a group, so wrapping that name sees each one.
+    """
+    issued = [0]
+    original = _fsdp_param_group.foreach_all_gather
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        issued[0] += 1
+        return original(*args, **kwargs)
+
+    _fsdp_param_group.foreach_all_gather = counted
+    try:
+        yield issued
+    finally:
+        _fsdp_param_group.foreach_all_gather = original
