@@ -13,27 +13,27 @@ import contextlib
 import logging
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fsdp_replay import _compat
+from fsdp_replay._automatic import AUTO_KEYS, AutomaticScopes, automatic_key
 from fsdp_replay._hooks import HookSet
 from fsdp_replay._order import Cursor, Depth, Phase, RecordedOrders
 from fsdp_replay._ranks import RankMismatchError, check_across_ranks
 from fsdp_replay._roots import Roots
 from fsdp_replay._strategies import DEMAND_ONLY, Record, Replay, ScopeMode, Static, Strategy, static_successors
 from fsdp_replay._units import Unit
+from fsdp_replay._weak import prefetch_counter, weakly
 from fsdp_replay._window import Held, PrefetchWindow
 from fsdp_replay.config import DivergencePolicy, PrefetchConfig, PrefetchMode
 from fsdp_replay.stats import Count, Demand, PrefetchStats
 
 logger = logging.getLogger("fsdp_replay")
 
-AUTO_KEY_GRAD = "auto:grad"
-AUTO_KEY_NO_GRAD = "auto:no_grad"
 STATE_DICT_VERSION = 1
 
 
@@ -73,18 +73,14 @@ class PrefetchScheduler:
         self._param_ids = {id(p) for root in roots for p in root.parameters()}
         self._optimizers_seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._warned_step_in_scope = False
-        self._automatic_scopes_off: str | None = (
-            "it serves several roots (model chunks)" if len(roots) > 1 else None
-        )
-        """Why forwards outside ``iteration()`` open no scope (then said once, at the first such forward)."""
-        self._warned_automatic_scopes_off = False
+        self._automatic = AutomaticScopes(len(roots))
         self._saved_prefetch = {unit: _compat.disable_own_prefetch(unit.state) for unit in self.units}
         self._hooks = HookSet(self)
         can_keep = all([self._hooks.register_unit(unit) for unit in self.units])
         self._window = PrefetchWindow(max_bytes=config.max_prefetch_bytes, can_keep=can_keep)
         for root in roots:
             self._hooks.register_root(root)
-        self._optimizer_hook = register_optimizer_step_pre_hook(_weakly(self._on_optimizer_step))
+        self._optimizer_hook = register_optimizer_step_pre_hook(weakly(self._on_optimizer_step))
         weakref.finalize(self, self._optimizer_hook.remove)
         self.attached = True
 
@@ -227,12 +223,12 @@ class PrefetchScheduler:
         self._roots.check_still_roots()
         if self._scope is not None and self._scope.explicit:
             return
-        if self._automatic_scopes_off is not None:
-            self._say_automatic_scopes_off()
+        if not self._automatic.on:
+            self._automatic.say_off()
             return
         if self._scope is not None:
             self._close_auto_scope(self._scope)
-        self._begin_scope(AUTO_KEY_GRAD if torch.is_grad_enabled() else AUTO_KEY_NO_GRAD, explicit=False)
+        self._begin_scope(automatic_key(), explicit=False)
 
     def on_root_post_forward(self, *, backward_follows: bool, failed: bool) -> None:
         """The root's forward ended: an automatic scope with no backward to come ends here."""
@@ -252,7 +248,7 @@ class PrefetchScheduler:
         no automatic scope can delimit.
         """
         scope = self._scope
-        if finalized_by_caller and (scope is None or not scope.explicit) and self._automatic_scopes_off is None:
+        if finalized_by_caller and (scope is None or not scope.explicit) and self._automatic.on:
             self._stop_automatic_scopes("its backward is finalized by its caller (as a pipeline stage does)")
             return
         if scope is None:
@@ -346,7 +342,7 @@ class PrefetchScheduler:
         mode = self.config.mode
         if mode is PrefetchMode.demand:
             return DEMAND_ONLY
-        count_prefetch = _prefetch_counter(self, key)
+        count_prefetch = prefetch_counter(self, key)
         if mode is PrefetchMode.static:
             return Static(self._static_successors, self._depth, self._window, count_prefetch)
         if rerecord:
@@ -393,46 +389,15 @@ class PrefetchScheduler:
 
     def _stop_automatic_scopes(self, reason: str) -> None:
         """No more automatic scopes: their orders are dropped and the open one ends unrecorded."""
-        self._automatic_scopes_off = reason
         scope = self._scope
         if scope is not None and not scope.explicit:
             self._scope = None
             self.stats.count(scope.key, Count.wasted, self._window.release_all())
-        for key in (AUTO_KEY_GRAD, AUTO_KEY_NO_GRAD):
+        for key in AUTO_KEYS:
             self._orders.discard_unchecked(key)
-        self._say_automatic_scopes_off()
-
-    def _say_automatic_scopes_off(self) -> None:
-        if not self._warned_automatic_scopes_off:
-            self._warned_automatic_scopes_off = True
-            logger.warning(
-                "fsdp_replay: no automatic scopes for this scheduler: %s; wrap each step "
-                "(e.g. schedule.step(...)) in sched.iteration(\"train\") to prefetch", self._automatic_scopes_off
-            )
+        self._automatic.turn_off(reason)
 
     def _go_demand_only(self, scope: _Scope) -> None:
         scope.strategy = DEMAND_ONLY
         self.stats.count(scope.key, Count.wasted, self._window.release_all())
 
-
-def _weakly(method: Callable[..., None]) -> Callable[..., None]:
-    """``method`` for the global optimizer hook, holding the scheduler (and its model) weakly."""
-    ref = weakref.WeakMethod(method)
-
-    def call(*args: Any) -> None:
-        if (live := ref()) is not None:
-            live(*args)
-
-    return call
-
-
-def _prefetch_counter(scheduler: PrefetchScheduler, key: str) -> Callable[[], None]:
-    """Counts a prefetch in the scheduler's stats of the moment (``reset_stats()`` replaces them),
-    holding it weakly; allocates nothing per call (a bound method or ``*args`` would feed the GC)."""
-    ref = weakref.ref(scheduler)
-
-    def count() -> None:
-        if (live := ref()) is not None:
-            live.stats.count(key, Count.prefetches)
-
-    return count
