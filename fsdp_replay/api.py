@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch.nn as nn
@@ -21,7 +21,7 @@ _ATTACHED: weakref.WeakSet[PrefetchScheduler] = weakref.WeakSet()
 
 
 def attach(
-    root: nn.Module | Sequence[nn.Module], config: PrefetchConfig | Mapping[str, Any] | None = None
+    root: nn.Module | list[nn.Module] | tuple[nn.Module, ...], config: PrefetchConfig | Mapping[str, Any] | None = None
 ) -> PrefetchScheduler:
     """Schedule the unshards of every ``fully_shard`` unit under ``root``.
 
@@ -50,7 +50,7 @@ def attach(
         :meth:`PrefetchScheduler.detach` restores it. With several roots, automatic scopes are
         off: wrap each step (``schedule.step(...)``) in :meth:`PrefetchScheduler.iteration`.
     """
-    roots = [root] if isinstance(root, nn.Module) else list(root)
+    roots = list(root) if isinstance(root, (list, tuple)) else [root]
     if not roots:
         raise ValueError("attach() got an empty list of roots; pass a fully_shard root module or a list of them")
     for module in roots:
