@@ -43,7 +43,9 @@ from fsdp_replay._units import Unit
 #   right after FSDP2's callback, so after FSDP2's last reshards and after it dropped any gather
 #   still pending. FSDP2 queues it once per backward on the outermost graph task (a reentrant
 #   checkpoint's nested backward is not an end); torch pipelining calls it directly when a stage
-#   finalizes. Without FSDP2's internals an autograd-engine callback, queued at the first backward
+#   finalizes. A callback not run by autograd, or run under manual backward finalization (2.15
+#   pipelining), is reported as finalized by its caller: automatic scopes stop there
+#   (``fsdp_replay/_automatic.py``). Without FSDP2's internals an autograd-engine callback, queued at the first backward
 #   use of the outermost graph task, stands in: it is queued before FSDP2's (the use is reported
 #   before FSDP2's pre-backward queues its own), so it requeues itself once to run after it. A
 #   backward that raises drops its callbacks, so that task is forgotten at the next root forward.

@@ -153,14 +153,24 @@ class ExecutionOrder:
         return [(e.unit.fqn, e.phase.value, e.needs_gather, e.segment) for e in self.entries]
 
     @classmethod
-    def from_state(cls, items: Sequence[Sequence], units: dict[str, Unit]) -> ExecutionOrder:
+    def from_state(cls, items: Sequence[Sequence], units: dict[str, Unit]) -> ExecutionOrder | str:
+        """The order of :meth:`to_state`'s items, or why it is stale: it names a unit this model lacks.
+
+        Raises:
+            ValueError: an entry is malformed (not four fields, or an unknown phase).
+        """
         entries = []
-        for position, (fqn, phase, needs_gather, segment) in enumerate(items):
-            if fqn not in units:
+        for position, item in enumerate(items):
+            if len(item) != 4:
+                raise ValueError(f"recorded order entry {position} is {item!r}; expected (fqn, phase, needs_gather, segment)")
+            fqn, phase, needs_gather, segment = item
+            if phase not in Phase._value2member_map_:
                 raise ValueError(
-                    f"recorded order entry {position} names unit {fqn!r}, which this model does not "
-                    f"have; units are {', '.join(units)}"
+                    f"recorded order entry {position} has phase {phase!r}; valid phases are "
+                    f"{', '.join(p.value for p in Phase)}"
                 )
+            if fqn not in units:
+                return f"entry {position} names unit {fqn!r}, which this model does not have"
             entries.append(Entry(units[fqn], Phase(phase), bool(needs_gather), int(segment)))
         return cls(entries)
 
@@ -235,11 +245,17 @@ class RecordedOrders:
     def to_state(self) -> dict[str, list[tuple[str, str, bool, int]]]:
         return {key: order.to_state() for key, order in self._orders.items()}
 
-    def load_state(self, state: dict[str, Any], units: dict[str, Unit]) -> None:
-        """Replace every order with those of ``state`` (all or none: a bad entry raises first)."""
-        orders = {key: ExecutionOrder.from_state(items, units) for key, items in state.items()}
-        self._orders = orders
+    def load_state(self, state: dict[str, Any], units: dict[str, Unit]) -> dict[str, str]:
+        """Replace every order with the valid ones of ``state``; returns why each stale one was left out.
+
+        Raises:
+            ValueError: an entry is malformed; the installed orders are then left as they were.
+        """
+        loaded = {key: ExecutionOrder.from_state(items, units) for key, items in state.items()}
+        self._orders = {key: order for key, order in loaded.items() if isinstance(order, ExecutionOrder)}
         self._checked.clear()  # loaded orders are compared across ranks before first use
+        self._unreplayed.clear()
+        return {key: why for key, why in loaded.items() if isinstance(why, str)}
 
 
 def first_difference(a: Sequence, b: Sequence) -> int:

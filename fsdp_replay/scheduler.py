@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from fsdp_replay import _compat
+from fsdp_replay import _checkpoint, _compat
 from fsdp_replay._automatic import AUTO_KEYS, AutomaticScopes, automatic_key
 from fsdp_replay._hooks import HookSet
 from fsdp_replay._order import Cursor, Depth, Phase, RecordedOrders
@@ -34,7 +34,6 @@ from fsdp_replay.stats import Count, Demand, PrefetchStats
 
 logger = logging.getLogger("fsdp_replay")
 
-STATE_DICT_VERSION = 1
 
 
 class PrefetchDivergenceError(RuntimeError):
@@ -65,7 +64,6 @@ class PrefetchScheduler:
         if not self.units:
             names = ", ".join(type(root).__name__ for root in roots)
             raise ValueError(f"attach(): no fully_shard unit with parameters under {names}")
-        self._units_by_fqn = {u.fqn: u for u in self.units}
         self._static_successors = static_successors(self.units)
         self._orders = RecordedOrders()
         self._scope: _Scope | None = None
@@ -167,30 +165,31 @@ class PrefetchScheduler:
         """The recorded orders, so that a resumed run replays from its first step.
 
         Returns:
-            A picklable dict (a version and each key's order, units named by FQN) for
-            :meth:`load_state_dict`; save it with the model's checkpoint.
+            A picklable dict for :meth:`load_state_dict` (a version, each key's order with units
+            named by FQN, and what they were recorded on: unit FQNs, parameter shapes and dtypes,
+            world size, mesh shape, torch release); save it with the model's checkpoint.
         """
-        return {"version": STATE_DICT_VERSION, "orders": self._orders.to_state()}
+        return _checkpoint.save(self._orders, self.units)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Install the orders of a :meth:`state_dict`, replacing every order recorded so far.
 
+        A stale order does not stop a resumed run: if the state was saved on another setup
+        (changed model or wrapping, world size, mesh shape or torch release), one warning says what
+        changed and no order is installed; an order naming a unit this model lacks is left out with
+        a warning. Their keys record again at their next scope, with numerics unchanged.
+
         Args:
-            state: what :meth:`state_dict` returned, for a model with the same units.
+            state: what :meth:`state_dict` returned.
 
         Raises:
-            ValueError: the state's version is not supported, or an order names a unit this model
-                does not have. The installed orders are then left as they were.
+            ValueError: the state's version is not supported, or an entry is malformed. The
+                installed orders are then left as they were.
 
         .. note::
             With ``check_ranks``, each loaded order is compared across ranks before its first replay.
         """
-        if state.get("version") != STATE_DICT_VERSION:
-            raise ValueError(
-                f"fsdp_replay state_dict version {state.get('version')!r} is not supported "
-                f"(expected {STATE_DICT_VERSION})"
-            )
-        self._orders.load_state(state["orders"], self._units_by_fqn)
+        _checkpoint.load(state, self._orders, self.units)
 
     def detach(self) -> None:
         """Remove every hook and restore FSDP2's own prefetch settings, as if never attached.

@@ -56,6 +56,7 @@ from fsdp_replay._compat.state import (
     may_gather,
     opens_forward,
     process_group,
+    sharded_params,
     state_modules,
     unsharded_bytes,
 )

@@ -53,6 +53,13 @@ def unsharded_bytes(state: Any) -> int:
     return total
 
 
+def sharded_params(state: Any) -> list[Any]:
+    """The unit's own parameters as FSDP2 holds them between uses: DTensors with the full shape."""
+    if not INTERNALS_OK:
+        return list(public.managed_params(state))
+    return [fsdp_param.sharded_param for group in state._fsdp_param_groups for fsdp_param in group.fsdp_params]
+
+
 def is_root_initialized_as_child(state: Any) -> bool:
     """True once FSDP2's lazy init has decided this state is *not* the root."""
     return INTERNALS_OK and state._is_root is False

@@ -36,15 +36,17 @@ def quick_run(tmp_path_factory) -> tuple[dict, Path, str, set[str]]:
     md = run_dir / "BENCHMARKS.md"
     md.write_text("# Benchmarks\n\nhand-written analysis stays\n")
     before = _namespaces()
-    proc = subprocess.run(
+    with subprocess.Popen(
         [sys.executable, str(BENCH / "bench.py"), "bench.quick=true", f"hydra.run.dir={run_dir}",
          f"bench.update_benchmarks_md={md}"],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=dict(os.environ, PYTHONPATH=str(REPO)),
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    leaked = _namespaces() - before
-    return json.loads((run_dir / "results.json").read_text()), run_dir, proc.stdout, leaked
+    ) as proc:
+        stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-5000:]
+    # Only this run's namespaces (named after its pid): another benchmark may run beside the tests.
+    leaked = {name for name in _namespaces() - before if name.startswith(f"fsdpbench-{proc.pid}-")}
+    return json.loads((run_dir / "results.json").read_text()), run_dir, stdout, leaked
 
 
 def test_quick_run_writes_table_json_plot_and_markdown_section(quick_run):

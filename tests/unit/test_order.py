@@ -71,10 +71,17 @@ def test_digest_sees_phase_and_gather_need():
     assert ExecutionOrder([Entry(a, Phase.forward, False)]).digest() != base
 
 
-def test_from_state_names_unknown_unit():
+def test_from_state_says_why_an_order_naming_an_unknown_unit_is_stale():
     (a,), _ = _units("a")
-    with pytest.raises(ValueError, match=r"'zz'.*units are a"):
-        ExecutionOrder.from_state([("zz", "forward", True, 0)], {"a": a})
+    assert "'zz'" in ExecutionOrder.from_state([("a", "forward", True, 0), ("zz", "forward", True, 0)], {"a": a})
+
+
+def test_from_state_rejects_malformed_entries():
+    (a,), _ = _units("a")
+    with pytest.raises(ValueError, match="phase 'sideways'; valid phases are forward, backward, recompute"):
+        ExecutionOrder.from_state([("a", "sideways", True, 0)], {"a": a})
+    with pytest.raises(ValueError, match="expected \\(fqn, phase, needs_gather, segment\\)"):
+        ExecutionOrder.from_state([("a", "forward")], {"a": a})
 
 
 def test_first_difference_handles_prefixes():
