@@ -55,7 +55,7 @@ def _every_ranks_order_if_they_differ(key: str, order: ExecutionOrder, state: An
 
 def _describe_rank_mismatch(key: str, orders: list[list[tuple]]) -> str:
     reference = orders[0]
-    lines = [f"fsdp_replay: ranks recorded different demand orders for scope {key!r} (check_ranks=True):"]
+    lines = [f"fsdp_replay: ranks recorded different demand orders for iteration {key!r} (check_ranks=True):"]
     for rank, order in enumerate(orders[1:], start=1):
         if order == reference:
             continue

@@ -117,8 +117,8 @@ class PrefetchScheduler:
             raise ValueError(f"iteration(key=...) must be a non-empty string not starting with 'auto:', got {key!r}")
         if self._scope is not None and self._scope.explicit:
             raise RuntimeError(
-                f"iteration(key={key!r}) opened inside iteration(key={self._scope.key!r}); scopes do not "
-                "nest: one scope spans one optimizer step, with all its microbatches"
+                f"iteration(key={key!r}) opened inside iteration(key={self._scope.key!r}); iterations do not "
+                "nest: one iteration() spans one optimizer step, with all its microbatches"
             )
         if self._scope is not None:
             self._close_auto_scope(self._scope)
@@ -126,7 +126,7 @@ class PrefetchScheduler:
         try:
             yield
         except BaseException:
-            self._end_scope(scope, failure="the scope exited with an exception")
+            self._end_scope(scope, failure="its iteration() block exited with an exception")
             self._roots.reset_iter_state()
             raise
         self._end_scope(scope)
@@ -203,9 +203,9 @@ class PrefetchScheduler:
         if not self.attached:
             return
         if self._scope is not None and self._scope.explicit:
-            raise RuntimeError(f"detach() called inside iteration(key={self._scope.key!r}); leave the scope first")
+            raise RuntimeError(f"detach() called inside iteration(key={self._scope.key!r}); leave the iteration() block first")
         if self._scope is not None:
-            self._end_scope(self._scope, failure="the scheduler was detached mid-scope")
+            self._end_scope(self._scope, failure="the scheduler was detached mid-iteration")
         self._window.release_all()
         self._hooks.remove()
         self._optimizer_hook.remove()
@@ -271,7 +271,7 @@ class PrefetchScheduler:
             return
         scope.backward_started |= phase is Phase.backward
         if (divergence := scope.strategy.on_demand(unit, phase, demand)) is not None:
-            self._diverge(scope, f"scope {scope.key!r} {divergence}")
+            self._diverge(scope, f"iteration {scope.key!r} {divergence}")
 
     def on_lifecycle_reshard(self, unit: Unit) -> bool:
         """FSDP2 is about to reshard ``unit`` after a use; True skips it (the unit is kept)."""
@@ -317,7 +317,7 @@ class PrefetchScheduler:
                 self._warned_step_in_scope = True
                 logger.warning(
                     "fsdp_replay: optimizer.step() inside iteration(key=%r) released %d pending prefetches "
-                    "(they would run on stale weights); call step() after the scope", scope.key, len(self._window)
+                    "(they would run on stale weights); call step() after the iteration() block", scope.key, len(self._window)
                 )
             self.stats.count(scope.key, Count.wasted, self._window.release_all())
 
@@ -372,10 +372,10 @@ class PrefetchScheduler:
             if entries := strategy.recording.entries:
                 self._orders.install(scope.key, strategy.recording)
                 self.stats.count(scope.key, Count.recordings)
-                logger.debug("fsdp_replay: recorded %d demands for scope %r", len(entries), scope.key)
+                logger.debug("fsdp_replay: recorded %d demands for iteration %r", len(entries), scope.key)
         elif isinstance(strategy, Replay):
             if (unfinished := strategy.unfinished()) is not None:
-                self._diverge(scope, f"scope {scope.key!r} {unfinished}")
+                self._diverge(scope, f"iteration {scope.key!r} {unfinished}")
             elif strategy.skipped_prefix:
                 self._orders.trim(scope.key, strategy.cursor.order)
 

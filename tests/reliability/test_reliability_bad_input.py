@@ -201,7 +201,7 @@ def test_bad_scope_keys_and_nested_scopes_raise_and_leave_the_scheduler_usable(m
         run_schedule(model, SPEC, SEQUENTIAL, 0)
     assert sched.recorded_order("train") is not None
     _tried("python: iteration")
-    with pytest.raises(RuntimeError, match="scopes do not nest"):
+    with pytest.raises(RuntimeError, match="iterations do not nest"):
         with sched.iteration("train"):
             run_schedule(model, SPEC, SEQUENTIAL, 1)
             with sched.iteration("other"):
@@ -219,7 +219,7 @@ def test_detach_inside_a_scope_and_use_after_detach_raise(mesh):
     sched = attach(model)
     with sched.iteration("train"):
         _tried("python: detach")
-        with pytest.raises(RuntimeError, match="leave the scope first"):
+        with pytest.raises(RuntimeError, match="leave the iteration\\(\\) block first"):
             sched.detach()
         run_schedule(model, SPEC, SEQUENTIAL, 0)
     assert sched.recorded_order("train") is not None
