@@ -60,3 +60,28 @@ def counting_all_gathers() -> Iterator[list[int]]:
         yield issued
     finally:
         _fsdp_param_group.foreach_all_gather = original
+
+
+def fsdp_params(state: Any) -> Iterator[Any]:
+    """FSDP2's per-parameter records (``FSDPParam``) of a unit's state."""
+    for group in state._fsdp_param_groups:
+        yield from group.fsdp_params
+
+
+def unsharded_grad(fsdp_param: Any) -> Any:
+    """The gradient autograd left on a parameter's *unsharded* tensor, if it has one (else None)."""
+    unsharded = getattr(fsdp_param, "_unsharded_param", None)
+    return unsharded.grad if unsharded is not None else None
+
+
+def clear_unsharded_grad(fsdp_param: Any) -> None:
+    if (unsharded := getattr(fsdp_param, "_unsharded_param", None)) is not None:
+        unsharded.grad = None
+
+
+def iteration_bookkeeping(root_state: Any, states: list[Any]) -> int:
+    """Entries in FSDP2's per-iteration lists (the post-forward order and each group's indices):
+    they must not grow from one iteration to the next."""
+    return len(root_state._comm_ctx.post_forward_order) + sum(
+        len(g._post_forward_indices) for s in states for g in s._fsdp_param_groups
+    )

@@ -10,7 +10,7 @@ from torch.distributed.fsdp import FSDPModule
 
 import fsdp_replay
 from fsdp_replay import PrefetchConfig, attach, scheduler_of
-from fsdp_replay.testing.internals import fsdp_state, param_groups
+from fsdp_replay.testing.internals import fsdp_state, gather_pending, param_groups
 from fsdp_replay.testing.observer import DemandObserver
 from fsdp_replay.testing.workloads import run_iteration, workload
 
@@ -135,7 +135,7 @@ def test_optimizer_step_inside_a_scope_releases_pending_prefetches(mesh8, caplog
         losses = {mb: model(w.make_batch(1, mb)) for mb in range(2)}
         losses[0].backward()
         opt.step()  # misuse: would otherwise leave the next forward's gathers pending across the step
-        assert all(g._all_gather_result is None for u in sched.units for g in u.state._fsdp_param_groups)
+        assert all(not gather_pending(g) for u in sched.units for g in param_groups(u.state))
         losses[1].backward()
     assert any("optimizer.step() inside iteration" in r.message for r in caplog.records)
 

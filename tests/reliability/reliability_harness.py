@@ -21,6 +21,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fsdp_replay.testing.distributed import spawn
+from fsdp_replay.testing.internals import gather_pending, param_groups
+from fsdp_replay.testing.observer import fsdp_units
 
 LONG = os.environ.get("FSDP_REPLAY_LONG", "") not in ("", "0")
 """The long profile (``FSDP_REPLAY_LONG=1``): more examples, more faults, 2,000-iteration soak."""
@@ -134,25 +136,16 @@ def run_examples(
 
 
 def fsdp_states(root: nn.Module) -> dict[str, Any]:
-    """Every FSDP2 state with parameters under ``root``, by its first module's name."""
-    from torch.distributed._composable_state import _get_module_state
-    from torch.distributed.fsdp import FSDPModule
-
-    states: dict[Any, str] = {}
-    for name, module in root.named_modules():
-        if isinstance(module, FSDPModule):
-            state = _get_module_state(module)
-            if state._fsdp_param_groups and state not in states:
-                states[state] = name or "<root>"
-    return {name: state for state, name in states.items()}
+    """Every FSDP2 state with parameters under ``root``, by its module names (``fsdp_units``)."""
+    return fsdp_units(root)
 
 
 def gather_leaks(root: nn.Module) -> list[str]:
     """Units with an all-gather still pending or parameters still unsharded (empty = clean)."""
     problems = []
     for name, state in fsdp_states(root).items():
-        for group in state._fsdp_param_groups:
-            if group._all_gather_result is not None:
+        for group in param_groups(state):
+            if gather_pending(group):
                 problems.append(f"{name}: all-gather pending")
             if not group.is_sharded:
                 problems.append(f"{name}: parameters not resharded")

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from fsdp_replay import PrefetchConfig, attach
+from fsdp_replay.testing.internals import clear_unsharded_grad, fsdp_params, unsharded_grad
 from fsdp_replay.testing.observer import DemandObserver
 from reliability_harness import (
     LONG,
@@ -174,9 +175,8 @@ def stale_unsharded_grads(model: torch.nn.Module) -> list[str]:
     return [
         f"{name}: {fp._param_fqn}"
         for name, state in fsdp_states(model).items()
-        for group in state._fsdp_param_groups
-        for fp in group.fsdp_params
-        if getattr(fp, "_unsharded_param", None) is not None and fp._unsharded_param.grad is not None
+        for fp in fsdp_params(state)
+        if unsharded_grad(fp) is not None
     ]
 
 
@@ -190,10 +190,8 @@ def recover_plain_fsdp2(model: torch.nn.Module) -> None:
     """
     model.reset_iter_state()
     for state in fsdp_states(model).values():
-        for group in state._fsdp_param_groups:
-            for fp in group.fsdp_params:
-                if getattr(fp, "_unsharded_param", None) is not None:
-                    fp._unsharded_param.grad = None
+        for fp in fsdp_params(state):
+            clear_unsharded_grad(fp)
 
 
 _REFERENCES: dict[tuple[int, int | None], list[dict]] = {}

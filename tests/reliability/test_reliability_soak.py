@@ -16,6 +16,7 @@ import torch
 from torch.optim import optimizer as optim_module
 
 from fsdp_replay import PrefetchConfig, attach
+from fsdp_replay.testing.internals import iteration_bookkeeping
 from reliability_harness import (
     PROFILE,
     ModelSpec,
@@ -61,10 +62,7 @@ def _live_tensor_bytes() -> int:
 def _fsdp_lists(model) -> int:
     """Entries in FSDP2's per-iteration bookkeeping (post-forward order and indices)."""
     states = fsdp_states(model)
-    root = states["<root>"]
-    return len(root._comm_ctx.post_forward_order) + sum(
-        len(g._post_forward_indices) for s in states.values() for g in s._fsdp_param_groups
-    )
+    return iteration_bookkeeping(states["<root>"], list(states.values()))
 
 
 def _soak(mesh, iterations: int) -> dict:
