@@ -15,6 +15,7 @@ import enum
 from typing import Callable, Protocol
 
 from fsdp_replay import _compat
+from fsdp_replay._compat import Standing
 from fsdp_replay._order import Cursor, Depth, Phase, Recording
 from fsdp_replay._units import Unit
 from fsdp_replay._window import Held, PrefetchWindow
@@ -203,16 +204,17 @@ class Replay:
                 gathers += held is Held.prefetched
                 continue
             state = unit.state
-            in_use = unit is demanded or _compat.in_use(state)
-            if not in_use and not _compat.is_sharded_idle(state):
+            standing = Standing.in_use if unit is demanded else _compat.standing(state)
+            if standing is Standing.provided:
                 continue  # resident or gathering already (accumulation settings, a user's unshard)
+            in_use = standing is Standing.in_use
             if (not in_use and gathers >= ahead.gathers) or not window.fits(unit):
                 return  # the next demand frees a slot or room
             if in_use:
                 if not window.may_keep(unit):
                     return  # cannot keep it (no FSDP2 internals, or stale values): nothing later may jump the queue
                 window.keep(unit)
-            elif window.prefetch(unit, backward=not entry.phase.in_forward):
+            elif window.prefetch(unit, state, backward=not entry.phase.in_forward):
                 gathers += 1
                 self._count_prefetch()
 
@@ -243,11 +245,12 @@ class Static:
         for successor in self._successors[phase.in_forward][unit][:depth]:
             if len(window) >= depth:
                 return
-            if not _compat.is_sharded_idle(successor.state):
+            state = successor.state
+            if not _compat.is_sharded_idle(state):
                 continue
             if not window.fits(successor):
                 return
-            if window.prefetch(successor, backward=not phase.in_forward):
+            if window.prefetch(successor, state, backward=not phase.in_forward):
                 self._count_prefetch()
 
     def end_backward(self) -> None:

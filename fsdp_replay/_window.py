@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 from fsdp_replay import _compat
 from fsdp_replay._units import Unit
@@ -69,14 +70,17 @@ class PrefetchWindow:
             return True
         return self._bytes_ahead + unit.unsharded_bytes <= self.max_bytes
 
-    def prefetch(self, unit: Unit, *, backward: bool) -> bool:
-        """Issue ``unit``'s all-gather ahead of use; False if FSDP2 would decline or drop it (no unshard
-        in backward, a gradient reduction pending)."""
-        if not _compat.may_gather(unit.state):
+    def prefetch(self, unit: Unit, state: Any, *, backward: bool) -> bool:
+        """Issue ``unit``'s all-gather ahead of use (``state``: its FSDP2 state); False if FSDP2 would
+        decline or drop it (no unshard in backward, a gradient reduction pending)."""
+        if not _compat.may_gather(state):
             return False
-        with _compat.trace("fsdp_replay::prefetch", unit.fqn):
-            _compat.issue_unshard(unit.state, backward=backward)
-        if not _compat.is_pending(unit.state):
+        if _compat.profiling():
+            with _compat.trace("fsdp_replay::prefetch", unit.fqn):
+                _compat.issue_unshard(state, backward=backward)
+        else:  # no context manager per prefetch
+            _compat.issue_unshard(state, backward=backward)
+        if not _compat.is_pending(state):
             return False
         self._prefetched[unit] = None
         self._bytes_ahead += unit.unsharded_bytes

@@ -263,8 +263,7 @@ class PrefetchScheduler:
         scope = self._scope
         key = scope.key if scope is not None else None
         demand = _compat.classify_demand(unit.state)
-        self.stats.count(key, Count.demands)
-        self.stats.count(key, demand.counter)
+        self.stats.count_demand(key, demand)
         if self._window.demanded(unit, missed=demand is Demand.miss):
             self.stats.count(key, Count.dropped)
         if scope is None or scope.strategy.mode is ScopeMode.demand:

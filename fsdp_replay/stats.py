@@ -94,8 +94,18 @@ class PrefetchStats(KeyStats):
     per_key: dict[str, KeyStats] = field(default_factory=dict)
     """The same counters split by scope key (``"train"``, ``"auto:grad"``, ...)."""
 
+    def count_demand(self, key: str | None, demand: Demand) -> None:
+        """A demand and how it was served, in one call (this runs once per demand; see ``add``)."""
+        counters = self.__dict__
+        counters[Count.demands] += 1
+        counters[demand.counter] += 1
+        if key is not None:
+            counters = (self.per_key.get(key) or self.per_key.setdefault(key, KeyStats())).__dict__
+            counters[Count.demands] += 1
+            counters[demand.counter] += 1
+
     def count(self, key: str | None, counter: Count, n: int = 1) -> None:
         """Bump a counter in the totals and, when inside a scope, in that key's breakdown."""
-        self.add(counter, n)
+        self.__dict__[counter] += n
         if key is not None:
-            (self.per_key.get(key) or self.per_key.setdefault(key, KeyStats())).add(counter, n)
+            (self.per_key.get(key) or self.per_key.setdefault(key, KeyStats())).__dict__[counter] += n

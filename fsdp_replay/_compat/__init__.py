@@ -24,6 +24,7 @@ from fsdp_replay._compat.guard import (
     TESTED_TORCH,
     TORCH_RELEASE,
     PublicAPIFallbackWarning,
+    profiling,
     trace,
 )
 from fsdp_replay._compat.intercept import (
@@ -57,6 +58,8 @@ from fsdp_replay._compat.state import (
     opens_forward,
     process_group,
     sharded_params,
+    Standing,
+    standing,
     state_modules,
     unsharded_bytes,
 )

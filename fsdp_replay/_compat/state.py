@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from typing import Any, Iterator
 
 import torch
@@ -117,17 +118,47 @@ def in_use(state: Any) -> bool:
     return INTERNALS_OK and any(g._training_state not in IDLE_STATES for g in state._fsdp_param_groups)
 
 
+class Standing(enum.Enum):
+    """How a unit stands when a refill considers it, read in one pass over FSDP2's state."""
+
+    in_use = "in_use"
+    """A forward or backward of it runs: FSDP2 reshards it when that use ends (a keep may skip that)."""
+    sharded = "sharded"
+    """Sharded with no gather pending: a use now would have to gather."""
+    provided = "provided"
+    """Unsharded or gathering already, by someone's doing: nothing to provide."""
+
+
+def standing(state: Any) -> Standing:
+    """:class:`Standing` of the unit (the refill asks this for every entry it looks at)."""
+    if not INTERNALS_OK:
+        return Standing.provided if is_pending(state) or is_resident(state) else Standing.sharded
+    groups = state._fsdp_param_groups
+    if len(groups) == 1:  # the common case, without generators
+        group = groups[0]
+        if group._training_state not in IDLE_STATES:
+            return Standing.in_use
+        return Standing.provided if group._all_gather_result is not None or group.is_unsharded else Standing.sharded
+    if any(g._training_state not in IDLE_STATES for g in groups):
+        return Standing.in_use
+    return Standing.provided if is_pending(state) or is_resident(state) else Standing.sharded
+
+
 def may_gather(state: Any) -> bool:
     """False while a torch 2.15 asynchronous gradient reduction is pending.
 
     FSDP2's own forward refuses to run then, and the reduction's ``wait()`` drops any gather issued
     in that window, so the scheduler issues none there.
     """
-    if not INTERNALS_OK:
+    if not INTERNALS_OK or not _ASYNC_REDUCTION:
         return True
     if getattr(state._comm_ctx, "active_gradient_reduction", None) is not None:
         return False
     return not getattr(state._state_ctx, "gradient_reduction_pending", False)
+
+
+_ASYNC_REDUCTION = hasattr(FSDPModule, "set_manual_backward_finalization")
+"""torch 2.15+: a gradient reduction may be pending asynchronously (``finalize_backward(async_op=True)``)."""
 
 
 # --- where a hook fires in FSDP2's lifecycle ----------------------------------------------------
