@@ -2,8 +2,9 @@
 
 Plain FSDP2 and every prefetch mode under a one-stage-per-rank schedule (1F1B) and a looped one
 (Interleaved1F1B, two stages per rank): 8 torchrun launches of 4 ranks, and one that is rejected,
-about 2.5 minutes on 2 CPU cores. Bad pipeline settings that are caught before any process group
-are in test_train's ``test_bad_value_fails_once_before_any_process_group_leaving_no_run_folder``.
+about 4 minutes on 2 CPU cores shared with other work. Bad pipeline settings that are caught
+before any process group are in test_train's
+``test_bad_value_fails_once_before_any_process_group_leaving_no_run_folder``.
 """
 
 from __future__ import annotations
