@@ -2,8 +2,10 @@
 
     torchrun --standalone --nproc-per-node 2 recipes/train.py
     torchrun --standalone --nproc-per-node 2 recipes/train.py prefetch=demand model=small train.steps=50
+    torchrun --standalone --nproc-per-node 4 recipes/train.py pipeline.stages=2 train.microbatches=4
 
 CUDA + NCCL when a GPU is present, else CPU + gloo; ``python recipes/train.py`` runs a world of one.
+With ``pipeline.stages > 1`` the ranks form a pipeline x FSDP mesh (``train_lib/pipeline.py``).
 Each run gets its own folder, ``outputs/<train.run_name>/<date>_<time>/`` (``outputs/latest`` points
 at the last one): ``metrics.jsonl`` (one line per step), ``summary.json``, Hydra's ``train.log``
 and ``.hydra/``, and ``checkpoints/step_N`` when saving.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import logging
 import os
 import shutil
@@ -33,14 +36,18 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from fsdp_replay import PrefetchMode, PrefetchScheduler, fully_shard, scheduler_of
+from fsdp_replay import PrefetchMode, PrefetchScheduler, PrefetchStats, fully_shard, scheduler_of
 from train_lib.checkpoint import load_checkpoint, save_checkpoint
 from train_lib.config import MicrobatchSchedule, TrainJobConfig, quiet_nonzero_ranks, register_configs, to_job_config
 from train_lib.llama import Transformer
+from train_lib.pipeline import build_pipeline, pipeline_mesh, pipeline_step
 from train_lib.report import RunReport, stats_delta
 from train_lib.tokens import Split, TokenData, load_tokens
 
 log = logging.getLogger("train")
+
+PLAIN = "plain"
+"""The mode name runs report with ``train.prefetch_scheduler=false``: plain FSDP2, no scheduler."""
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 CONFIG_NAME = "train"
@@ -62,9 +69,14 @@ def microbatch_schedule(n: int, schedule: MicrobatchSchedule) -> list[tuple[Pass
     return passes + [(Pass.backward, n - 1)]
 
 
+def launch_world() -> int:
+    """The number of ranks :func:`distributed` will start: torchrun's, else a world of one."""
+    return int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else 1
+
+
 @contextlib.contextmanager
-def distributed() -> Iterator[tuple[torch.device, DeviceMesh]]:
-    """CUDA + NCCL when a GPU is present, else CPU + gloo with a CPU device mesh; torn down on exit.
+def distributed() -> Iterator[torch.device]:
+    """CUDA + NCCL when a GPU is present, else CPU + gloo; torn down on exit.
 
     .. note::
         The group is destroyed only after a barrier: on gloo, a rank that destroys its group
@@ -84,7 +96,7 @@ def distributed() -> Iterator[tuple[torch.device, DeviceMesh]]:
         # Plain `python recipes/train.py`: a world of one needs no rendezvous.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     try:
-        yield device, init_device_mesh(device.type, (dist.get_world_size(),))
+        yield device
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -94,7 +106,8 @@ def build_model(job: TrainJobConfig, *, mesh: DeviceMesh, device: torch.device) 
     """Build on the meta device, shard, then allocate and initialise only this rank's shards.
 
     This is what torchdistx's deferred init did; that package is unmaintained and does not
-    install on current torch, while meta device + ``to_empty()`` is built into torch.
+    install on current torch, while meta device + ``to_empty()`` is built into torch. The
+    scheduler is attached unless ``train.prefetch_scheduler`` is false (plain FSDP2).
     """
     with torch.device("meta"):
         model = Transformer(job.model, checkpoint_group=job.train.activation_checkpointing)
@@ -102,7 +115,7 @@ def build_model(job: TrainJobConfig, *, mesh: DeviceMesh, device: torch.device) 
         fully_shard(block, mesh=mesh)
     # The head's weight is the embedding's Parameter, so both modules must form one unit.
     fully_shard([model.tok_embeddings, model.output], mesh=mesh)
-    fully_shard(model, mesh=mesh, prefetch=job.prefetch)
+    fully_shard(model, mesh=mesh, prefetch=job.prefetch if job.train.prefetch_scheduler else None)
     model.to_empty(device=device)
     torch.manual_seed(job.train.seed)
     model.init_weights()
@@ -113,11 +126,30 @@ def lm_loss(model: Transformer, inputs: torch.Tensor, targets: torch.Tensor) -> 
     return F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
 
 
-def global_mean(value: torch.Tensor) -> float:
-    """Mean over ranks; also the step's synchronisation point, so step times are honest."""
+def global_mean(value: torch.Tensor, *, replicas: int | None = None) -> float:
+    """Mean over ranks; also the step's synchronisation point, so step times are honest.
+
+    ``replicas``: how many ranks hold a value, the others holding 0 (under pipelines, only the
+    last stage's ranks have a loss: one per FSDP rank); default every rank.
+    """
     value = value.detach().clone()
     dist.all_reduce(value)
-    return value.item() / dist.get_world_size()
+    return value.item() / (replicas or dist.get_world_size())
+
+
+def stats_of(sched: PrefetchScheduler | None) -> dict[str, int]:
+    """The scheduler's cumulative counters; all 0 for plain FSDP2, which counts nothing."""
+    return (sched.stats if sched is not None else PrefetchStats()).as_dict()
+
+
+@contextlib.contextmanager
+def scope(sched: PrefetchScheduler | None, key: str) -> Iterator[None]:
+    """``sched.iteration(key)``; nothing for plain FSDP2 (no scheduler)."""
+    if sched is None:
+        yield
+    else:
+        with sched.iteration(key=key):
+            yield
 
 
 def train_step(
@@ -141,20 +173,26 @@ def train_step(
 
 @torch.no_grad()
 def evaluate(
-    model: Transformer, sched: PrefetchScheduler, data: TokenData, *, batches: int, step: int, device: torch.device
+    model: Transformer, sched: PrefetchScheduler | None, data: TokenData, *,
+    batches: int, step: int, device: torch.device,
 ) -> float:
     """Held-out loss, under its own scope key so eval's order never disturbs train's."""
     total = torch.zeros((), device=device)
-    with sched.iteration(key="eval"):
+    with scope(sched, "eval"):
         for micro in range(batches):
             inputs, targets = data.batch(Split.eval, step=step, micro=micro, rank=dist.get_rank(), device=device)
             total += lm_loss(model, inputs, targets)
     return global_mean(total / batches)
 
 
-def load_job(cfg: DictConfig) -> tuple[TrainJobConfig, TokenData]:
-    """The validated config and its token data; raises ``ValueError`` naming the field at fault."""
+def load_job(cfg: DictConfig, *, world: int | None) -> tuple[TrainJobConfig, TokenData]:
+    """The validated config and its token data; raises ``ValueError`` naming the field at fault.
+
+    ``world``: the number of ranks, checked against ``pipeline.stages``; None when not known yet.
+    """
     job = to_job_config(cfg)
+    if world is not None:
+        job.pipeline.check_world(world)
     data = load_tokens(
         job.data, vocab_size=job.model.vocab_size, seq_len=job.train.seq_len,
         batch_size=job.train.batch_size, seed=job.train.seed,
@@ -162,7 +200,7 @@ def load_job(cfg: DictConfig) -> tuple[TrainJobConfig, TokenData]:
     return job, data
 
 
-def config_error(overrides: list[str]) -> str | None:
+def config_error(overrides: list[str], *, world: int | None) -> str | None:
     """Why the command line's config would be rejected, or None; composes in this process only.
 
     Runs before ``@hydra.main``, which makes the run directory before ``main()`` can validate, and
@@ -173,7 +211,7 @@ def config_error(overrides: list[str]) -> str | None:
         return None
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-            load_job(compose(CONFIG_NAME, overrides=overrides))
+            load_job(compose(CONFIG_NAME, overrides=overrides), world=world)
     except MissingConfigException as err:
         return unknown_option(err)
     except (HydraException, OmegaConfBaseException, ValueError) as err:
@@ -246,49 +284,70 @@ def link_latest(run_dir: Path) -> None:
 def main(cfg: DictConfig) -> None:
     # --- setup: config and data errors surface here, before any process group exists ---------
     try:
-        job, data = load_job(cfg)
+        job, data = load_job(cfg, world=launch_world())
     except ValueError as err:
         remove_if_only_hydra_files(Path(HydraConfig.get().runtime.output_dir))
         raise SystemExit(f"recipes/train.py: invalid config: {err}") from None
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    with distributed() as (device, mesh):
+    with distributed() as device:
         rank, world = dist.get_rank(), dist.get_world_size()
         run_dir = shared_run_dir(run_dir)
         if rank == 0:
             link_latest(run_dir)
-        model = build_model(job, mesh=mesh, device=device)
-        sched = scheduler_of(model)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=job.train.lr)
+        if job.pipeline.enabled:
+            try:
+                pipe = build_pipeline(job, mesh=pipeline_mesh(job, device), device=device)
+            except ValueError as err:  # the schedule's own check of train.microbatches; every rank finds it
+                raise SystemExit(
+                    f"recipes/train.py: invalid config: pipeline.schedule={job.pipeline.schedule} with "
+                    f"train.microbatches={job.train.microbatches}: {err}" if rank == 0 else 1
+                ) from None
+            # No `model` here: evaluation and checkpoints are off under pipelines (see below and
+            # TrainJobConfig, which rejects train.save_every / resume_from with pipeline.stages > 1).
+            modules, sched, replicas = pipe.chunks, pipe.sched, pipe.dp_size
+            run_step = functools.partial(pipeline_step, pipe, data, job, device=device)
+            n_params, layout = pipe.model_params(device), f", {pipe.describe()}"
+        else:
+            model = build_model(job, mesh=init_device_mesh(device.type, (world,)), device=device)
+            modules, sched, replicas = [model], scheduler_of(model), world
+            run_step = functools.partial(train_step, model, data, job, device=device)
+            n_params, layout = sum(p.numel() for p in model.parameters()), ""
+        mode = job.prefetch.mode.name if sched is not None else PLAIN
+        optimizer = torch.optim.AdamW([p for module in modules for p in module.parameters()], lr=job.train.lr)
         start_step = 0
         if job.train.resume_from is not None:
             start_step = load_checkpoint(Path(job.train.resume_from), model=model, optimizer=optimizer, sched=sched)
         log.info(
-            "%s model, %.2fM params, %d rank(s) on %s (%s), prefetch %s, data: %s, run dir %s%s",
-            job.model.name, sum(p.numel() for p in model.parameters()) / 1e6, world, device.type,
-            dist.get_backend(), job.prefetch.mode.name, data.source, run_dir,
-            f", resumed at step {start_step}" if start_step else "",
+            "%s model, %.2fM params, %d rank(s) on %s (%s)%s, prefetch %s, data: %s, run dir %s%s",
+            job.model.name, n_params / 1e6, world, device.type, dist.get_backend(), layout, mode,
+            data.source, run_dir, f", resumed at step {start_step}" if start_step else "",
         )
+        eval_every = job.train.eval_every
+        if job.pipeline.enabled and eval_every:
+            # Not implemented under pipelines: the eval forwards would need a schedule of their own.
+            log.info("evaluation is off with pipeline.stages > 1 (train.eval_every=%d not used)", eval_every)
+            eval_every = 0
         report = RunReport(
-            run_dir=run_dir, enabled=rank == 0, mode=job.prefetch.mode.name, start_step=start_step,
-            steps=job.train.steps,
-            tokens_per_step=job.train.batch_size * job.train.microbatches * job.train.seq_len * world,
+            run_dir=run_dir, enabled=rank == 0, mode=mode, start_step=start_step, steps=job.train.steps,
+            tokens_per_step=job.train.batch_size * job.train.microbatches * job.train.seq_len * replicas,
         )
 
         # --- train: one sched.iteration() per optimizer step, optimizer.step() after it ------
         for step in range(start_step + 1, job.train.steps + 1):
-            if sched.mode is PrefetchMode.record_and_replay and sched.recorded_order("train") is None:
+            recording = sched is not None and sched.mode is PrefetchMode.record_and_replay
+            if recording and sched.recorded_order("train") is None:
                 report.recording()
-            before = sched.stats.as_dict()
+            before = stats_of(sched)
             start = time.perf_counter()
-            with sched.iteration(key="train"):
-                loss = train_step(model, data, job, step=step, device=device)
+            with scope(sched, "train"):
+                loss = run_step(step=step)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            loss_value = global_mean(loss)
+            loss_value = global_mean(loss, replicas=replicas)
             seconds = time.perf_counter() - start
-            step_stats = stats_delta(sched.stats.as_dict(), before)
+            step_stats = stats_delta(stats_of(sched), before)
             eval_loss = None
-            if job.train.eval_every and step % job.train.eval_every == 0:
+            if eval_every and step % eval_every == 0:
                 eval_loss = evaluate(model, sched, data, batches=job.train.eval_batches, step=step, device=device)
             if job.train.save_every and step % job.train.save_every == 0:
                 path = run_dir / "checkpoints" / f"step_{step}"
@@ -308,7 +367,8 @@ if __name__ == "__main__":
     validate_only = sys.argv[1:2] == [VALIDATE_ONLY]
     if validate_only:
         del sys.argv[1]
-    if (error := config_error(sys.argv[1:])) is not None:
+    # dev.sh validates before torchrun picks the number of ranks: pipeline.stages is checked against it later.
+    if (error := config_error(sys.argv[1:], world=None if validate_only else launch_world())) is not None:
         # Every rank finds the same error: rank 0 reports it, the others just fail.
         raise SystemExit(f"recipes/train.py: invalid config: {error}" if os.environ.get("RANK", "0") == "0" else 1)
     if validate_only:

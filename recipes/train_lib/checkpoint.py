@@ -22,20 +22,25 @@ TRAINER_FILE = "trainer.pt"
 
 
 def save_checkpoint(
-    path: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, sched: PrefetchScheduler, step: int
+    path: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, sched: PrefetchScheduler | None, step: int
 ) -> None:
+    """``sched``: None for plain FSDP2, which has no recorded orders to save."""
     model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
     if dist.get_rank() == 0:
-        torch.save({"step": step, "prefetch": sched.state_dict()}, path / TRAINER_FILE)
+        prefetch = sched.state_dict() if sched is not None else None
+        torch.save({"step": step, "prefetch": prefetch}, path / TRAINER_FILE)
     # A checkpoint is complete only once rank 0's file is there too.
     dist.barrier()
 
 
 def load_checkpoint(
-    path: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, sched: PrefetchScheduler
+    path: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, sched: PrefetchScheduler | None
 ) -> int:
-    """Restore everything :func:`save_checkpoint` wrote; returns the step the checkpoint was taken at."""
+    """Restore everything :func:`save_checkpoint` wrote; returns the step the checkpoint was taken at.
+
+    A scheduler given no recorded orders (a plain FSDP2 checkpoint) records them at its first step.
+    """
     trainer_file = path / TRAINER_FILE
     if not trainer_file.is_file():
         raise FileNotFoundError(f"{path} is not a checkpoint of recipes/train.py: {TRAINER_FILE} is missing")
@@ -44,5 +49,6 @@ def load_checkpoint(
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     trainer = torch.load(trainer_file, weights_only=True)
-    sched.load_state_dict(trainer["prefetch"])
+    if sched is not None and trainer["prefetch"] is not None:
+        sched.load_state_dict(trainer["prefetch"])
     return trainer["step"]

@@ -23,11 +23,13 @@ from omegaconf import DictConfig, OmegaConf
 from fsdp_replay import PrefetchConfig
 from fsdp_replay.config import require_at_least
 from fsdp_replay.hydra import register_prefetch_config
+from fsdp_replay.testing.pipelines import SINGLE_STAGE_SCHEDULES, V_SCHEDULES, available_schedules
 
 __all__ = [
     "DataConfig",
     "MicrobatchSchedule",
     "ModelConfig",
+    "PipelineConfig",
     "TrainConfig",
     "TrainJobConfig",
     "quiet_nonzero_ranks",
@@ -129,12 +131,78 @@ class TrainConfig:
     """Save a checkpoint to ``<run dir>/checkpoints/step_N`` every N steps; 0 disables saving."""
     resume_from: str | None = None
     """Checkpoint directory to resume from: weights, optimizer, step and the recorded prefetch orders."""
+    prefetch_scheduler: bool = True
+    """False: plain FSDP2, torch's ``fully_shard`` with no scheduler attached (FSDP2's own prefetch)
+    and ``prefetch.*`` unused: the baseline every prefetch mode must match bitwise."""
 
     def __post_init__(self) -> None:
         require_at_least(1, self, "steps", "batch_size", "seq_len", "microbatches", "eval_batches")
         require_at_least(0, self, "activation_checkpointing", "eval_every", "save_every")
         if self.resume_from is not None and not Path(self.resume_from).is_dir():
             raise ValueError(f"TrainConfig.resume_from: no such checkpoint directory {self.resume_from!r}")
+
+
+SCHEDULE_PREFIX = "Schedule"
+
+
+@dataclass
+class PipelineConfig:
+    """Pipeline parallelism (``torch.distributed.pipelining``) over FSDP2: ``stages`` x (ranks / ``stages``)
+    ranks, each pipeline stage sharded over the ranks of its FSDP dimension.
+
+    One scheduler per rank covers all the stages (model chunks) that rank holds; each optimizer
+    step is one ``schedule.step()`` inside ``sched.iteration("train")``. ``train.microbatches`` is
+    the schedule's number of microbatches (each ``train.batch_size`` sequences), which orders them
+    itself, so ``train.schedule`` does not apply. Not supported with ``stages > 1``: evaluation
+    (skipped, with a log line), checkpoints (``train.save_every``, ``train.resume_from``: rejected),
+    ``model.depth_repeats > 1`` (rejected).
+    """
+
+    stages: int = 1
+    """Pipeline ranks (the ``pp`` mesh dimension); must divide the number of ranks. 1: no pipeline."""
+    virtual_stages: int = 1
+    """Stages per pipeline rank: 1 for the single-stage schedules (1F1B, GPipe), 2 for the V ones
+    (ZBVZeroBubble, DualPipeV), any for the looped ones (rank r holds stages r, r + stages, ...).
+    The model's blocks are cut into ``stages * virtual_stages`` stages."""
+    schedule: str = "1F1B"
+    """``torch.distributed.pipelining.schedules.Schedule<name>``, e.g. 1F1B, Interleaved1F1B."""
+
+    def __post_init__(self) -> None:
+        require_at_least(1, self, "stages", "virtual_stages")
+        valid = [name.removeprefix(SCHEDULE_PREFIX) for name in available_schedules()]
+        if self.schedule not in valid:
+            raise ValueError(
+                f"PipelineConfig.schedule: unknown pipeline schedule {self.schedule!r}; "
+                f"valid schedules are {', '.join(valid)}"
+            )
+        fixed = {**dict.fromkeys(SINGLE_STAGE_SCHEDULES, 1), **dict.fromkeys(V_SCHEDULES, 2)}
+        if (needed := fixed.get(self.schedule_class)) is not None and self.virtual_stages != needed:
+            raise ValueError(
+                f"PipelineConfig.virtual_stages must be {needed} with schedule {self.schedule} "
+                f"(stages per pipeline rank), got {self.virtual_stages}"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.stages > 1
+
+    @property
+    def schedule_class(self) -> str:
+        """The schedule's class name in ``torch.distributed.pipelining.schedules``."""
+        return SCHEDULE_PREFIX + self.schedule
+
+    @property
+    def n_stages(self) -> int:
+        """Stages the model is cut into."""
+        return self.stages * self.virtual_stages
+
+    def check_world(self, world: int) -> None:
+        """Reject a number of ranks that the pipeline ranks do not divide."""
+        if world % self.stages:
+            raise ValueError(
+                f"PipelineConfig.stages ({self.stages}) must divide the number of ranks ({world}): "
+                "the ranks form a (stages, ranks / stages) mesh of pipeline x FSDP ranks"
+            )
 
 
 @dataclass
@@ -149,6 +217,8 @@ class TrainJobConfig:
     """Training loop."""
     data: DataConfig = field(default_factory=DataConfig)
     """Token source."""
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    """Pipeline parallelism; ``stages: 1`` (the default) trains without it."""
 
     def __post_init__(self) -> None:
         if self.train.seq_len > self.model.max_seq_len:
@@ -158,6 +228,33 @@ class TrainJobConfig:
             )
         if self.model.vocab_size < 256:
             raise ValueError(f"ModelConfig.vocab_size must be >= 256 for byte tokens, got {self.model.vocab_size}")
+        if self.pipeline.enabled:
+            self._check_pipeline()
+
+    def _check_pipeline(self) -> None:
+        """What ``pipeline.stages > 1`` does not support, named with the setting to change."""
+        pipeline, train = self.pipeline, self.train
+        if pipeline.n_stages > self.model.n_layers:
+            raise ValueError(
+                f"PipelineConfig: stages * virtual_stages ({pipeline.n_stages}) exceeds ModelConfig.n_layers "
+                f"({self.model.n_layers}); every stage needs at least one block"
+            )
+        if self.model.depth_repeats != 1:
+            raise ValueError(
+                f"ModelConfig.depth_repeats must be 1 with pipeline.stages > 1 (a stage cannot reuse the "
+                f"blocks of other stages), got {self.model.depth_repeats}"
+            )
+        if train.schedule is not MicrobatchSchedule.sequential:
+            raise ValueError(
+                "TrainConfig.schedule does not apply with pipeline.stages > 1: pipeline.schedule orders the "
+                f"microbatches; leave train.schedule at sequential (got {train.schedule.name})"
+            )
+        # Checkpoints would need each pipeline rank's recorded orders saved apart: not implemented.
+        if train.save_every or train.resume_from is not None:
+            raise ValueError(
+                "TrainConfig.save_every / resume_from: checkpoints are not supported with pipeline.stages > 1; "
+                "set train.save_every=0 and train.resume_from=null"
+            )
 
 
 def register_configs() -> None:

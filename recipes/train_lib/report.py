@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from fsdp_replay import KeyStats, PrefetchScheduler
+from fsdp_replay import KeyStats, PrefetchScheduler, PrefetchStats
 from train_lib.plot import PLOT_FILE, plot_metrics
 
 METRICS_FILE = "metrics.jsonl"
@@ -80,8 +80,12 @@ class RunReport:
         self._bar.set_postfix(postfix, refresh=False)
         self._bar.update()
 
-    def finish(self, sched: PrefetchScheduler, *, device: torch.device) -> str:
-        """Close the outputs, write ``summary.json`` and return the summary table."""
+    def finish(self, sched: PrefetchScheduler | None, *, device: torch.device) -> str:
+        """Close the outputs, write ``summary.json`` and return the summary table.
+
+        ``sched`` is None for plain FSDP2: its counters read 0 and there are no recorded orders.
+        Under pipelines they are this (rank 0's) scheduler's, over the stages this rank holds.
+        """
         self._bar.close()
         if self._metrics is not None:
             self._metrics.close()
@@ -89,7 +93,7 @@ class RunReport:
         steady = self.step_times[1:] or self.step_times
         mean_step = statistics.fmean(steady) if steady else float("nan")
         peak, memory_kind = peak_memory(device)
-        stats = sched.stats
+        stats = sched.stats if sched is not None else PrefetchStats()
         summary = {
             "mode": self.mode,
             "steps": len(self.step_times),
@@ -101,7 +105,8 @@ class RunReport:
             "hit_rate": stats.hit_rate,
             "per_key": {key: counters.as_dict() for key, counters in stats.per_key.items()},
             "recorded_orders": {
-                key: order for key in stats.per_key if (order := sched.recorded_order(key)) is not None
+                key: order for key in stats.per_key
+                if sched is not None and (order := sched.recorded_order(key)) is not None
             },
         }
         if self.enabled:

@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from train import Pass, build_model, lm_loss, microbatch_schedule
 from train_lib.config import DataConfig, MicrobatchSchedule, ModelConfig, TrainJobConfig
-from train_lib.llama import Transformer, apply_rotary, rotary_tables
+from train_lib.llama import PipelineChunk, Transformer, apply_rotary, rotary_tables, stage_layers
 from train_lib.tokens import SUCCESSORS, Split, TokenData, file_tokens, load_tokens, synthetic_tokens
 
 
@@ -173,3 +173,33 @@ def test_sharded_init_matches_the_unsharded_model_on_every_rank() -> None:
             assert torch.equal(param.to_local(), expected.chunk(2, dim=0)[1]), name
     finally:
         dist.destroy_process_group()
+
+
+def test_pipeline_stages_start_as_the_whole_model_and_chain_into_its_forward() -> None:
+    """Three stages over four blocks: the same initial weights (the untied head starts as a copy of
+    the embedding) and, chained, bitwise the whole model's logits."""
+    cfg = tiny()
+    full = built(cfg)
+    stages = []
+    for stage in range(3):
+        with torch.device("meta"):
+            chunk = PipelineChunk(cfg, stage=stage, n_stages=3)
+        chunk.to_empty(device=CPU)
+        torch.manual_seed(0)
+        chunk.init_weights()
+        stages.append(chunk)
+    assert [list(chunk.layers) for chunk in stages] == [["0"], ["1"], ["2", "3"]]
+    assert [stage_layers(cfg, stage=s, n_stages=3) for s in range(3)] == [range(0, 1), range(1, 2), range(2, 4)]
+    whole = dict(full.named_parameters())
+    names = [name for chunk in stages for name, _ in chunk.named_parameters()]
+    assert sorted(names) == sorted([*whole, "output.weight"])  # named_parameters() lists the tied weight once
+    for chunk in stages:
+        for name, param in chunk.named_parameters():
+            assert torch.equal(param, whole["tok_embeddings.weight" if name == "output.weight" else name]), name
+    assert stages[2].output.weight is not stages[0].tok_embeddings.weight
+    tokens = batch()[0]
+    h = tokens
+    with torch.no_grad():
+        for chunk in stages:
+            h = chunk(h)
+        assert torch.equal(h, full(tokens))

@@ -67,6 +67,9 @@ def test_every_yaml_starts_with_the_command_that_runs_it(path: Path) -> None:
         ("model.depth_repeats=2", "model.depth_repeats", 2),
         ("train.steps=50", "train.steps", 50),
         ("train.schedule=interleaved", "train.schedule", MicrobatchSchedule.interleaved),
+        ("train.prefetch_scheduler=false", "train.prefetch_scheduler", False),
+        ("pipeline.stages=2", "pipeline.stages", 2),
+        ("pipeline.schedule=Interleaved1F1B", "pipeline.schedule_class", "ScheduleInterleaved1F1B"),
     ],
 )
 def test_command_line_overrides_reach_the_dataclasses(override: str, field: str, expected: object) -> None:
@@ -109,13 +112,28 @@ def test_unknown_enum_name_fails_composition_naming_field_and_values(override: s
         ("train.resume_from=/no/such/checkpoint", "TrainConfig.resume_from: no such checkpoint directory"),
         ("model.n_heads=3", "ModelConfig.dim must be a multiple of 2 * n_heads"),
         ("data.path=/no/such/file.txt", "DataConfig.path: no such file '/no/such/file.txt'"),
+        ("pipeline.stages=0", "PipelineConfig.stages must be an integer >= 1"),
+        ("pipeline.schedule=Zigzag", "unknown pipeline schedule 'Zigzag'; valid schedules are 1F1B, GPipe, "),
+        ("pipeline.virtual_stages=2", "PipelineConfig.virtual_stages must be 1 with schedule 1F1B"),
+        ("pipeline.schedule=DualPipeV", "PipelineConfig.virtual_stages must be 2 with schedule DualPipeV"),
+        ("pipeline.stages=5", "stages * virtual_stages (5) exceeds ModelConfig.n_layers (4)"),
+        ("pipeline.stages=2 model.depth_repeats=2", "ModelConfig.depth_repeats must be 1 with pipeline.stages > 1"),
+        ("pipeline.stages=2 train.schedule=interleaved", "TrainConfig.schedule does not apply with pipeline.stages"),
+        ("pipeline.stages=2 train.save_every=5", "checkpoints are not supported with pipeline.stages > 1"),
     ],
 )
 def test_out_of_range_value_fails_conversion_naming_the_field(override: str, message: str) -> None:
-    cfg = compose_train(override)  # OmegaConf checks types only; ranges are the dataclasses' job
+    cfg = compose_train(*override.split())  # OmegaConf checks types only; ranges are the dataclasses' job
     with pytest.raises(ValueError) as err:
         to_job_config(cfg)
     assert message in str(err.value)
+
+
+def test_pipeline_stages_must_divide_the_number_of_ranks() -> None:
+    pipeline = to_job_config(compose_train("pipeline.stages=2")).pipeline
+    pipeline.check_world(4)
+    with pytest.raises(ValueError, match=r"PipelineConfig.stages \(2\) must divide the number of ranks \(3\)"):
+        pipeline.check_world(3)
 
 
 def test_run_dir_is_a_time_stamped_folder_under_the_run_name() -> None:

@@ -1,7 +1,7 @@
 """recipes/train.py launched by torchrun (2 ranks, gloo): modes agree bitwise, every flag acts.
 
 Each distinct launch runs once per session (see ``train_run``); tests share launches where the
-same run answers several questions: 8 torchrun and 4 plain launches, about 3 minutes on 2 CPU cores.
+same run answers several questions: 10 torchrun and 5 plain launches, about 3.5 minutes on 2 CPU cores.
 """
 
 from __future__ import annotations
@@ -31,8 +31,12 @@ pinned without a process group in test_components."""
 TrainRun = Callable[..., Run]
 
 
+PLAIN = "plain"
+"""The mode name of train.prefetch_scheduler=false: plain FSDP2, no scheduler attached."""
+
+
 def baseline(train_run: TrainRun, mode: str = "record_and_replay") -> Run:
-    return train_run(*BASE, f"prefetch={mode}")
+    return train_run(*BASE, "train.prefetch_scheduler=false" if mode == PLAIN else f"prefetch={mode}")
 
 
 def forward_runs(order: list[tuple[str, str]]) -> int:
@@ -49,8 +53,8 @@ def assert_replays_after_first_step(run: Run) -> None:
 
 
 def test_every_prefetch_mode_gives_bitwise_equal_losses(train_run: TrainRun) -> None:
-    runs = {mode.name: baseline(train_run, mode.name) for mode in PrefetchMode}
-    reference = runs["record_and_replay"]
+    runs = {mode: baseline(train_run, mode) for mode in (PLAIN, *(mode.name for mode in PrefetchMode))}
+    reference = runs[PLAIN]
     assert len(reference.losses) == STEPS
     assert reference.losses[-1] < reference.losses[0]
     for mode, run in runs.items():
@@ -183,6 +187,12 @@ def test_text_file_data_trains_on_its_bytes_in_a_world_of_one(
         ("prefetch.mode=fast", "expected one of [static, record_and_replay, demand]", None),
         ("prefetch=fats", "no such option; prefetch takes one of demand, record_and_replay, static", None),
         ("data.path=/no/such/corpus.txt", "DataConfig.path: no such file '/no/such/corpus.txt'", None),
+        (
+            "pipeline.schedule=Zigzag",
+            "PipelineConfig.schedule: unknown pipeline schedule 'Zigzag'; valid schedules are 1F1B, GPipe, Interleaved1F1B",
+            None,
+        ),
+        ("pipeline.stages=3", "PipelineConfig.stages (3) must divide the number of ranks (2)", 2),
     ],
 )
 def test_bad_value_fails_once_before_any_process_group_leaving_no_run_folder(
