@@ -36,7 +36,8 @@ from omegaconf import DictConfig, OmegaConf
 import bench_netns
 import bench_report
 from bench_config import BenchConfig
-from bench_measure import measure_cpu_cost, run_ranks
+from bench_measure import measure_cpu_cost
+from bench_ranks import run_ranks
 
 BENCH = Path(__file__).resolve().parent
 
@@ -85,7 +86,7 @@ def measure_in_namespace(job: BenchConfig, run_dir: Path) -> tuple[list[dict[str
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(BENCH.parent), os.environ.get("PYTHONPATH")])))
     with bench_netns.rate_limited_namespace(rate=job.netns.rate, burst=job.netns.burst, latency=job.netns.latency) as name:
         qdisc = bench_netns.qdisc(name)
-        argv = [sys.executable, str(BENCH / "bench_measure.py"), str(config_path), str(raw_path), str(run_dir)]
+        argv = [sys.executable, str(BENCH / "bench_ranks.py"), str(config_path), str(raw_path), str(run_dir)]
         subprocess.run(bench_netns.exec_argv(name, argv), check=True, env=env, timeout=job.bench.timeout_s + 60)
     ranks = json.loads(raw_path.read_text())
     raw_path.unlink()
