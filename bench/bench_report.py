@@ -6,7 +6,7 @@ import math
 import re
 import statistics
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 # Targets of issue 4, checked on every full run and written next to the figures.
 TARGET_VS_DEMAND = 1.25
@@ -41,49 +41,59 @@ def _exposed_by_unit(per_step: list[list[tuple[str, float]]]) -> dict[str, float
     return out
 
 
+def _mode_figures(steps: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """One mode's figures from its timed steps (``steps[i][rank]``): the step time of a step is the
+    slowest rank's; times, counts and the scheduler's counters are the ranks' mean (median over
+    steps); the peak is the maximum over ranks and steps; losses are every rank's, in rank order."""
+    step_s = [max(r["step_s"] for r in s) for s in steps]
+
+    def mean_of(key: str) -> float:
+        return _median([statistics.fmean(r[key] for r in s) for s in steps])
+
+    def rank_mean(get: Callable[[dict[str, Any]], float]) -> float:
+        return statistics.fmean(statistics.fmean(get(r) for r in s) for s in steps)
+
+    scheduled = "stats" in steps[0][0]  # not for plain FSDP2
+
+    q1, q3 = _quartiles(step_s)
+    return {
+        "median_step_s": _median(step_s),
+        "q1_step_s": q1,
+        "q3_step_s": q3,
+        "step_s": step_s,
+        "exposed_gather_s": mean_of("exposed_gather_s"),
+        "first_exposed_s": mean_of("first_exposed_s"),
+        "issue_s": mean_of("issue_s"),
+        "copy_out_s": mean_of("copy_out_s"),
+        "reduce_scatter_s": mean_of("reduce_scatter_s"),
+        "gathers": rank_mean(lambda r: r["gathers"]),
+        "reduce_scatters": rank_mean(lambda r: r["reduce_scatters"]),
+        "hits": rank_mean(lambda r: r["observed"].get("hit", 0)),
+        "misses": rank_mean(lambda r: r["observed"].get("miss", 0)),
+        "resident": rank_mean(lambda r: r["observed"].get("resident", 0)),
+        "prefetches": rank_mean(lambda r: r["stats"]["prefetches"]) if scheduled else None,
+        "kept": rank_mean(lambda r: r["stats"]["kept"]) if scheduled else None,
+        "wasted": rank_mean(lambda r: r["stats"]["wasted"]) if scheduled else None,
+        "divergences": sum(max(r["stats"]["divergences"] for r in s) for s in steps) if scheduled else None,
+        "peak_unsharded_bytes": max(r["peak_unsharded_bytes"] for s in steps for r in s),
+        "losses": [[loss for r in s for loss in r["losses"]] for s in steps],
+        "exposed_by_unit_ms": _exposed_by_unit([s[0]["exposures"] for s in steps]),
+    }
+
+
+def _per_step(per_rank: list[dict[str, Any]], mode: str) -> list[list[dict[str, Any]]]:
+    """``[step][rank]`` records of ``mode`` from each rank's ``{"modes": {mode: [record per step]}}``."""
+    return [[r["modes"][mode][i] for r in per_rank] for i in range(len(per_rank[0]["modes"][mode]))]
+
+
 def summarize(ranks: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]:
-    """Per workload and mode; step time is the slowest rank's, other times are the ranks' mean."""
+    """Per workload and mode (see ``_mode_figures``), with the bound and the share of the wait hidden."""
     names = list(ranks[0]["workloads"])
     out: dict[str, Any] = {}
     for name in names:
         per_rank = [r["workloads"][name] for r in ranks]
         w0 = per_rank[0]
-        n_steps = len(w0["modes"][modes[0]])
-        figures: dict[str, Any] = {}
-        for mode in modes:
-            steps = [[wr["modes"][mode][i] for wr in per_rank] for i in range(n_steps)]
-            step_s = [max(r["step_s"] for r in s) for s in steps]
-
-            def mean_of(key: str) -> float:
-                return _median([statistics.fmean(r[key] for r in s) for s in steps])
-
-            obs = [s[0]["observed"] for s in steps]
-            counts = {k: statistics.fmean(o.get(k, 0) for o in obs) for k in ("hit", "miss", "resident")}
-            stats = [s[0].get("stats") for s in steps]
-            q1, q3 = _quartiles(step_s)
-            figures[mode] = {
-                "median_step_s": _median(step_s),
-                "q1_step_s": q1,
-                "q3_step_s": q3,
-                "step_s": step_s,
-                "exposed_gather_s": mean_of("exposed_gather_s"),
-                "first_exposed_s": mean_of("first_exposed_s"),
-                "issue_s": mean_of("issue_s"),
-                "copy_out_s": mean_of("copy_out_s"),
-                "reduce_scatter_s": mean_of("reduce_scatter_s"),
-                "gathers": statistics.fmean(s[0]["gathers"] for s in steps),
-                "reduce_scatters": statistics.fmean(s[0]["reduce_scatters"] for s in steps),
-                "hits": counts["hit"],
-                "misses": counts["miss"],
-                "resident": counts["resident"],
-                "prefetches": statistics.fmean(s["prefetches"] for s in stats) if stats[0] else None,
-                "kept": statistics.fmean(s["kept"] for s in stats) if stats[0] else None,
-                "wasted": statistics.fmean(s["wasted"] for s in stats) if stats[0] else None,
-                "divergences": sum(s["divergences"] for s in stats) if stats[0] else None,
-                "peak_unsharded_bytes": max(r["peak_unsharded_bytes"] for s in steps for r in s),
-                "losses": [s[0]["losses"] for s in steps],
-                "exposed_by_unit_ms": _exposed_by_unit([s[0]["exposures"] for s in steps]),
-            }
+        figures = {mode: _mode_figures(_per_step(per_rank, mode)) for mode in modes}
         compute = _median([max(wr["compute_only_s"][i] for wr in per_rank) for i in range(len(w0["compute_only_s"]))])
         bounds = {
             owner: _bound(compute, [wr["comm_only"][owner] for wr in per_rank], len(w0["collectives"][owner]))
@@ -261,11 +271,10 @@ def targets_table(targets: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def render(report: dict[str, Any]) -> str:
-    """The generated section of BENCHMARKS.md (and ``table.md``)."""
-    modes = report["config"]["bench"]["modes"]
+def _run_lines(report: dict[str, Any]) -> list[str]:
+    """Command, machine and interconnect: the first lines of every generated section."""
     m = report["machine"]
-    parts = [
+    return [
         f"Command: `{report['command']}`",
         "",
         f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']:.0f} GiB, {m['platform']}, "
@@ -274,6 +283,13 @@ def render(report: dict[str, Any]) -> str:
         "",
         f"Interconnect: {report['interconnect']}",
         "",
+    ]
+
+
+def render(report: dict[str, Any]) -> str:
+    """The generated section of BENCHMARKS.md (and ``table.md``)."""
+    modes = report["config"]["bench"]["modes"]
+    parts = _run_lines(report) + [
         f"Model: {report['config']['bench']['n_blocks']} blocks of dim {report['config']['bench']['dim']}, "
         f"hidden {report['config']['bench']['hidden']}, {report['config']['bench']['rows']} rows per microbatch; "
         f"{report['config']['bench']['warmup_steps']} warmup + {report['config']['bench']['steps']} timed steps "
