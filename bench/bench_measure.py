@@ -5,7 +5,8 @@ machine drift hits all modes alike. The same rank process then measures the phys
 compute-only (the model unsharded, no communication) and communication-only (the demand-mode
 step's all-gathers and reduce-scatters, same sizes and order, no compute).
 
-``bench_ranks`` starts the ranks.
+``bench_ranks`` starts the ranks; ``bench_pipeline`` measures the pipeline workload with the
+same contenders and timed step.
 """
 
 from __future__ import annotations

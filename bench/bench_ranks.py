@@ -1,4 +1,4 @@
-"""Start the measuring ranks of a run (``bench_measure.measure_rank``).
+"""Start the measuring ranks of a run: the standard workloads (``bench_measure``) or the pipeline (``bench_pipeline``).
 
 Also runnable as a script, which is how ``bench/bench.py`` starts the ranks inside the
 rate-limited network namespace::
@@ -16,13 +16,18 @@ from typing import Any
 import torch
 
 import bench_measure
+import bench_pipeline
 from bench_config import BenchConfig
 from fsdp_replay.testing.distributed import spawn
 
 
 def run_ranks(cfg: BenchConfig, out_dir: Path) -> list[dict[str, Any]]:
-    """All ranks of the measured run: NCCL on GPUs when present, else gloo on CPU."""
+    """All ranks of the measured run: NCCL on GPUs when present, else gloo on CPU (the pipeline: gloo always)."""
     run = cfg.bench
+    if cfg.suite == "pipeline":
+        return spawn(
+            bench_pipeline.measure_rank, cfg.to_dict(), world_size=cfg.pipeline.world_size, timeout_s=run.timeout_s
+        )
     if torch.cuda.is_available():
         world = min(run.world_size, torch.cuda.device_count())
         if world < 2:

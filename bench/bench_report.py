@@ -145,6 +145,27 @@ def _bound(compute: float, per_rank: list[list[dict[str, float]]], collectives: 
     }
 
 
+PIPELINE_FIGURES = ("gathers", "exposed_gather_s", "peak_unsharded_bytes", "median_step_s")
+"""The pipeline table's figures, each also given as a ratio to plain FSDP2's."""
+
+
+def summarize_pipeline(ranks: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]:
+    """Per schedule and mode (see ``_mode_figures``), each of ``PIPELINE_FIGURES`` also as mode / plain."""
+    out: dict[str, Any] = {}
+    for schedule in ranks[0]["schedules"]:
+        per_rank = [r["schedules"][schedule] for r in ranks]
+        figures = {mode: _mode_figures(_per_step(per_rank, mode)) for mode in modes}
+        for f in figures.values():
+            f["vs_plain"] = {k: f[k] / figures["plain"][k] if figures["plain"][k] else float("nan") for k in PIPELINE_FIGURES}
+        out[schedule] = {
+            "stages_by_rank": [r["stages"] for r in per_rank],
+            "unit_bytes": per_rank[0]["unit_bytes"],
+            "modes": figures,
+            "losses_equal": all(figures[m]["losses"] == figures["plain"]["losses"] for m in modes),
+        }
+    return out
+
+
 def check_targets(workloads: dict[str, Any], cpu_cost: dict[str, Any] | None) -> list[dict[str, Any]]:
     """Each target of the issue: the measured value and whether it holds."""
     rows: list[dict[str, Any]] = []
@@ -271,6 +292,27 @@ def targets_table(targets: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def pipeline_table(schedules: dict[str, Any], modes: list[str]) -> str:
+    lines = [
+        "| schedule | mode | all-gathers per rank (x plain) | exposed AG wait ms (x plain) | peak unsharded MiB (x plain) "
+        "| median step ms (IQR) (x plain) | hits / misses / resident (kept) / wasted |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, sch in schedules.items():
+        for mode in modes:
+            f = sch["modes"][mode]
+            r = f["vs_plain"]
+            lines.append(
+                f"| {name} | {mode} | {_count(f['gathers'])} ({r['gathers']:.2f}) | "
+                f"{_ms(f['exposed_gather_s'])} ({r['exposed_gather_s']:.2f}) | "
+                f"{_mb(f['peak_unsharded_bytes'])} ({r['peak_unsharded_bytes']:.2f}) | "
+                f"{_ms(f['median_step_s'])} ({_ms(f['q1_step_s'])}-{_ms(f['q3_step_s'])}) ({r['median_step_s']:.2f}) | "
+                f"{_count(f['hits'])} / {_count(f['misses'])} / {_count(f['resident'])} ({_count(f['kept'])}) / "
+                f"{_count(f['wasted'])} |"
+            )
+    return "\n".join(lines)
+
+
 def _run_lines(report: dict[str, Any]) -> list[str]:
     """Command, machine and interconnect: the first lines of every generated section."""
     m = report["machine"]
@@ -310,6 +352,32 @@ def render(report: dict[str, Any]) -> str:
     if report.get("plot"):
         parts += [f"![step time per mode and workload, bound drawn in]({report['plot']})", ""]
     return "\n".join(parts)
+
+
+def render_pipeline(report: dict[str, Any]) -> str:
+    """The generated section of the pipeline run (``suite=pipeline``)."""
+    run, p = report["config"]["bench"], report["config"]["pipeline"]
+    schedules = report["pipeline"]
+    stages = ", ".join(f"{name} {len(s['stages_by_rank'][0])}" for name, s in schedules.items())
+    unit_mib = _mb(max(max(s["unit_bytes"]) for s in schedules.values()))
+    equal = all(s["losses_equal"] for s in schedules.values())
+    return "\n".join(
+        _run_lines(report)
+        + [
+            f"Model: pp {p['pp']} x dp {p['world_size'] // p['pp']}; stages per rank: {stages}; "
+            f"{p['blocks_per_stage']} blocks of dim {p['dim']} per stage ({unit_mib} MiB per block unit), every "
+            f"block and stage a `fully_shard` unit over dp, `reshard_after_forward=True`; {p['rows']} rows per "
+            f"step in {p['microbatches']} microbatches; {run['warmup_steps']} warmup + {run['steps']} timed steps "
+            f"per mode, alternating {' '.join(run['modes'])}. Run took {report['wall_s']:.0f} s.",
+            "",
+            "In brackets: mode / plain FSDP2 (below 1: fewer, less, faster). Step time: the slowest rank's, "
+            "median over the timed steps; all-gathers, exposed wait, hits/misses: mean over ranks; peak: "
+            f"maximum over ranks and steps. Losses identical in every mode: {'yes' if equal else '**no**'}.",
+            "",
+            pipeline_table(schedules, run["modes"]),
+            "",
+        ]
+    )
 
 
 def update_markdown(path: Path, section: str, device: str) -> None:
