@@ -30,21 +30,32 @@ def _namespaces() -> set[str]:
     return {line.split()[0] for line in out.splitlines() if line.strip()}
 
 
+def _run_bench(run_dir: Path, *overrides: str) -> tuple[dict, str, set[str]]:
+    """``bench/bench.py bench.quick=true`` with ``overrides``, writing into ``run_dir`` (its BENCHMARKS.md
+    too); the report, stdout, and the network namespaces the run left behind."""
+    md = run_dir / "BENCHMARKS.md"
+    md.write_text("# Benchmarks\n\nhand-written analysis stays\n")
+    proc = subprocess.Popen(
+        [sys.executable, str(BENCH / "bench.py"), "bench.quick=true", f"hydra.run.dir={run_dir}",
+         f"bench.update_benchmarks_md={md}", *overrides],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-5000:]
+    # Only this run's namespaces (named after its pid): other benchmark runs may share the machine.
+    leaked = {name for name in _namespaces() if name.startswith(f"fsdpbench-{proc.pid}-")}
+    return json.loads((run_dir / "results.json").read_text()), stdout, leaked
+
+
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory) -> tuple[dict, Path, str, set[str]]:
     run_dir = tmp_path_factory.mktemp("bench")
-    md = run_dir / "BENCHMARKS.md"
-    md.write_text("# Benchmarks\n\nhand-written analysis stays\n")
-    before = _namespaces()
-    proc = subprocess.run(
-        [sys.executable, str(BENCH / "bench.py"), "bench.quick=true", f"hydra.run.dir={run_dir}",
-         f"bench.update_benchmarks_md={md}"],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-        env=dict(os.environ, PYTHONPATH=str(REPO)),
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    leaked = _namespaces() - before
-    return json.loads((run_dir / "results.json").read_text()), run_dir, proc.stdout, leaked
+    report, stdout, leaked = _run_bench(run_dir)
+    return report, run_dir, stdout, leaked
 
 
 def test_quick_run_writes_table_json_plot_and_markdown_section(quick_run):
