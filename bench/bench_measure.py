@@ -67,6 +67,14 @@ def build_contender(mode: str, w: Workload, mesh: DeviceMesh, run: RunConfig) ->
     return Contender(mode, model, optimizer, sched, observer, lambda step: run_iteration(model, w, step))
 
 
+def release(contenders: list[Contender]) -> None:
+    """Detach every scheduler and remove every observer (the models stay usable as plain FSDP2)."""
+    for c in contenders:
+        if c.sched is not None:
+            c.sched.detach()
+        c.observer.remove()
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -188,10 +196,7 @@ def measure_workload(
     }
     if run.profile:
         result["profile"] = {c.mode: profile_step(c, w, run.warmup_steps + run.steps, device, out_dir) for c in contenders}
-    for c in contenders:
-        if c.sched is not None:
-            c.sched.detach()
-        c.observer.remove()
+    release(contenders)
     del contenders
     gc.collect()
     result["compute_only_s"] = compute_only(w, run, device)
@@ -270,10 +275,7 @@ def measure_cpu_cost(cfg: BenchConfig) -> dict[str, Any]:
                         times[c.mode].append(record["cpu_s"])
                         if c.mode == "record_and_replay":
                             demands = record["stats"]["demands"]
-            for c in contenders:
-                if c.sched is not None:
-                    c.sched.detach()
-                c.observer.remove()
+            release(contenders)
     finally:
         torch.set_num_threads(threads)
     medians = {m: statistics.median(t) for m, t in times.items()}

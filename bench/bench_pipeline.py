@@ -20,7 +20,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from bench_config import BenchConfig, PipelineConfig, RunConfig
-from bench_measure import Contender, timed_step
+from bench_measure import Contender, release, timed_step
 from bench_probe import FSDPProbe, unit_bytes
 from fsdp_replay import PrefetchConfig, attach
 from fsdp_replay.testing.observer import DemandObserver
@@ -81,10 +81,7 @@ def measure_schedule(setup: PipelineSetup, mesh: DeviceMesh, run: RunConfig, pro
         "unit_bytes": unit_bytes(contenders[0].model),
         "modes": records,
     }
-    for c in contenders:
-        if c.sched is not None:
-            c.sched.detach()
-        c.observer.remove()
+    release(contenders)
     del contenders
     gc.collect()
     dist.barrier()
