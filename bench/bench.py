@@ -2,10 +2,13 @@
 
     python bench/bench.py bench.update_benchmarks_md=BENCHMARKS.md   # the full run (~10 min on 2 cores)
     python bench/bench.py bench.quick=true                           # CI smoke run (~1 min)
+    python bench/bench.py suite=pipeline bench.update_benchmarks_md=BENCHMARKS.md   # pipeline parallelism
 
 One run measures every workload of ``bench.workloads`` in every mode (plain FSDP2, demand, static,
 record_and_replay), stepping the modes in alternation, then the compute-only and
 communication-only runs that give the bound, then the scheduler's CPU cost on the fake backend.
+``suite=pipeline`` instead measures the ``pipeline`` node: Schedule1F1B and ScheduleInterleaved1F1B
+on pp x dp gloo ranks, every mode, as ratios to plain FSDP2 (``bench_pipeline``; CPU only).
 
 On CPU as root, both ranks run inside a network namespace whose loopback is rate limited
 (``netns.rate``, tbf), so communication costs wall time as on a cluster link; the namespace is
@@ -36,7 +39,8 @@ from omegaconf import DictConfig, OmegaConf
 import bench_netns
 import bench_report
 from bench_config import BenchConfig
-from bench_measure import measure_cpu_cost, run_ranks
+from bench_measure import measure_cpu_cost
+from bench_ranks import run_ranks
 
 BENCH = Path(__file__).resolve().parent
 
@@ -85,7 +89,7 @@ def measure_in_namespace(job: BenchConfig, run_dir: Path) -> tuple[list[dict[str
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(BENCH.parent), os.environ.get("PYTHONPATH")])))
     with bench_netns.rate_limited_namespace(rate=job.netns.rate, burst=job.netns.burst, latency=job.netns.latency) as name:
         qdisc = bench_netns.qdisc(name)
-        argv = [sys.executable, str(BENCH / "bench_measure.py"), str(config_path), str(raw_path), str(run_dir)]
+        argv = [sys.executable, str(BENCH / "bench_ranks.py"), str(config_path), str(raw_path), str(run_dir)]
         subprocess.run(bench_netns.exec_argv(name, argv), check=True, env=env, timeout=job.bench.timeout_s + 60)
     ranks = json.loads(raw_path.read_text())
     raw_path.unlink()
@@ -106,7 +110,8 @@ def main(cfg: DictConfig) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     overrides = " ".join(HydraConfig.get().overrides.task)
     command = f"python bench/bench.py {overrides}".strip()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    pipeline = job.suite == "pipeline"
+    device = "cuda" if torch.cuda.is_available() and not pipeline else "cpu"
     load_before = os.getloadavg()
     namespaced, interconnect = use_namespace(job, device)
     print(f"bench/bench.py: {device}, interconnect: {interconnect or 'rate-limited namespace ' + job.netns.rate}", flush=True)
@@ -117,11 +122,10 @@ def main(cfg: DictConfig) -> None:
         ranks, interconnect = measure_in_namespace(job, run_dir)
     else:
         ranks = run_ranks(job, run_dir)
-    cpu_cost = measure_cpu_cost(job)
+    cpu_cost = None if pipeline else measure_cpu_cost(job)
     wall_s = time.perf_counter() - start
 
     # --- report -----------------------------------------------------------------------------------
-    workloads = bench_report.summarize(ranks, job.bench.modes)
     report: dict[str, Any] = {
         "command": command,
         "config": job.to_dict(),
@@ -132,12 +136,17 @@ def main(cfg: DictConfig) -> None:
         "interconnect_short": f"tbf {job.netns.rate} loopback" if namespaced else interconnect.split(",")[0].split("(")[0].strip(),
         "rate_limited": namespaced,
         "wall_s": wall_s,
-        "workloads": workloads,
-        "cpu_cost": cpu_cost,
     }
-    report["targets"] = bench_report.check_targets(workloads, cpu_cost)
-    report["plot"] = bench_report.plot(report, run_dir / "bench.png") if job.bench.plot else None
-    section = bench_report.render(report)
+    if pipeline:
+        report["pipeline"] = bench_report.summarize_pipeline(ranks, job.bench.modes)
+        report["plot"] = None
+        section = bench_report.render_pipeline(report)
+    else:
+        report["workloads"] = workloads = bench_report.summarize(ranks, job.bench.modes)
+        report["cpu_cost"] = cpu_cost
+        report["targets"] = bench_report.check_targets(workloads, cpu_cost)
+        report["plot"] = bench_report.plot(report, run_dir / "bench.png") if job.bench.plot else None
+        section = bench_report.render(report)
     (run_dir / "results.json").write_text(json.dumps(report, indent=1))
     (run_dir / "table.md").write_text(section + "\n")
     if job.bench.update_benchmarks_md:
@@ -146,9 +155,9 @@ def main(cfg: DictConfig) -> None:
             target = md.parent / f"bench_{device}.png"
             target.write_bytes((run_dir / "bench.png").read_bytes())
             section = section.replace(f"]({report['plot']})", f"]({target.name})")
-        bench_report.update_markdown(md, section, device)
+        bench_report.update_markdown(md, section, f"pipeline:{device}" if pipeline else device)
     print(section)
-    if job.bench.plot and report["plot"] is None:
+    if job.bench.plot and report["plot"] is None and not pipeline:
         print("bench/bench.py: matplotlib is not installed; no plot (pip install matplotlib)")
     print(f"bench/bench.py: results in {run_dir}")
 

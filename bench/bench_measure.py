@@ -5,19 +5,15 @@ machine drift hits all modes alike. The same rank process then measures the phys
 compute-only (the model unsharded, no communication) and communication-only (the demand-mode
 step's all-gathers and reduce-scatters, same sizes and order, no compute).
 
-Also runnable as a script, which is how ``bench/bench.py`` starts the ranks inside the
-rate-limited network namespace::
-
-    python bench/bench_measure.py CONFIG.json RESULTS.json OUT_DIR
+``bench_ranks`` starts the ranks; ``bench_pipeline`` measures the pipeline workload with the
+same contenders and timed step.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import gc
-import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -30,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from bench_config import BenchConfig, RunConfig
 from bench_probe import FSDPProbe, unit_bytes
 from fsdp_replay import PrefetchConfig, attach
-from fsdp_replay.testing.distributed import fake_world, spawn
+from fsdp_replay.testing.distributed import fake_world
 from fsdp_replay.testing.observer import DemandObserver
 from fsdp_replay.testing.workloads import Workload, run_iteration, workload
 
@@ -44,13 +40,18 @@ OWN_COMMUNICATION = ("demand", "record_and_replay")
 
 @dataclasses.dataclass
 class Contender:
-    """One mode's model, optimizer, scheduler (None for plain FSDP2) and demand observer."""
+    """One mode's model, optimizer, scheduler (None for plain FSDP2), demand observer, and step.
+
+    ``iterate(step)`` runs one optimizer step's forwards and backwards and returns the losses it
+    computed on this rank (the pipeline workload builds its own, in ``bench_pipeline``).
+    """
 
     mode: str
     model: nn.Module
     optimizer: torch.optim.Optimizer
     sched: Any
     observer: DemandObserver
+    iterate: Callable[[int], list[float]]
 
 
 def build_contender(mode: str, w: Workload, mesh: DeviceMesh, run: RunConfig) -> Contender:
@@ -62,7 +63,16 @@ def build_contender(mode: str, w: Workload, mesh: DeviceMesh, run: RunConfig) ->
             PrefetchConfig(mode=mode, forward_prefetch=run.forward_prefetch, backward_prefetch=run.backward_prefetch),
         )
     observer = DemandObserver(model)  # after attach: its hooks run first, so it sees FSDP2's state untouched
-    return Contender(mode, model, torch.optim.SGD(model.parameters(), lr=1e-3), sched, observer)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    return Contender(mode, model, optimizer, sched, observer, lambda step: run_iteration(model, w, step))
+
+
+def release(contenders: list[Contender]) -> None:
+    """Detach every scheduler and remove every observer (the models stay usable as plain FSDP2)."""
+    for c in contenders:
+        if c.sched is not None:
+            c.sched.detach()
+        c.observer.remove()
 
 
 def _sync(device: torch.device) -> None:
@@ -70,8 +80,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed_step(c: Contender, w: Workload, step: int, probe: FSDPProbe | None, device: torch.device) -> dict[str, Any]:
-    """One optimizer step of ``c``; barrier first so both ranks start together."""
+def timed_step(c: Contender, step: int, probe: FSDPProbe | None, device: torch.device) -> dict[str, Any]:
+    """One optimizer step of ``c``; barrier first so all ranks start together."""
     if probe is not None:
         probe.track(c.model)
     before = c.sched.stats.as_dict() if c.sched is not None else None
@@ -81,9 +91,9 @@ def timed_step(c: Contender, w: Workload, step: int, probe: FSDPProbe | None, de
     start, cpu_start = time.perf_counter(), time.thread_time()
     if c.sched is not None:
         with c.sched.iteration(SCOPE_KEY):
-            losses = run_iteration(c.model, w, step)
+            losses = c.iterate(step)
     else:
-        losses = run_iteration(c.model, w, step)
+        losses = c.iterate(step)
     c.optimizer.step()
     c.optimizer.zero_grad(set_to_none=True)
     _sync(device)
@@ -171,7 +181,7 @@ def measure_workload(
     for step in range(run.warmup_steps + run.steps):
         for c in contenders:
             probe.comm_log = comm_logs.get(c.mode) if step == 1 else None
-            record = timed_step(c, w, step, probe, device)
+            record = timed_step(c, step, probe, device)
             if step >= run.warmup_steps:
                 records[c.mode].append(record)
     probe.comm_log = None
@@ -186,10 +196,7 @@ def measure_workload(
     }
     if run.profile:
         result["profile"] = {c.mode: profile_step(c, w, run.warmup_steps + run.steps, device, out_dir) for c in contenders}
-    for c in contenders:
-        if c.sched is not None:
-            c.sched.detach()
-        c.observer.remove()
+    release(contenders)
     del contenders
     gc.collect()
     result["compute_only_s"] = compute_only(w, run, device)
@@ -202,11 +209,11 @@ def profile_step(c: Contender, w: Workload, step: int, device: torch.device, out
     from torch.profiler import ProfilerActivity, profile
 
     if dist.get_rank() != 0:
-        timed_step(c, w, step, None, device)
+        timed_step(c, step, None, device)
         return {}
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
-        timed_step(c, w, step, None, device)
+        timed_step(c, step, None, device)
     traces = out_dir / "traces"
     traces.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(traces / f"{w.name}_{c.mode}_rank0.json"))
@@ -241,20 +248,6 @@ def measure_rank(mesh: DeviceMesh, cfg_dict: dict[str, Any], out_dir: str) -> di
     return {"rank": dist.get_rank(), "backend": dist.get_backend(), "workloads": results}
 
 
-# --- launching the ranks -----------------------------------------------------------------------------
-
-
-def run_ranks(cfg: BenchConfig, out_dir: Path) -> list[dict[str, Any]]:
-    """All ranks of the measured run: NCCL on GPUs when present, else gloo on CPU."""
-    run = cfg.bench
-    if torch.cuda.is_available():
-        world = min(run.world_size, torch.cuda.device_count())
-        if world < 2:
-            raise SystemExit("bench/bench.py: the CUDA run needs at least 2 GPUs (communication is the point)")
-        return spawn(measure_rank, cfg.to_dict(), str(out_dir), world_size=world, timeout_s=run.timeout_s, backend="nccl")
-    return spawn(measure_rank, cfg.to_dict(), str(out_dir), world_size=run.world_size, timeout_s=run.timeout_s)
-
-
 # --- scheduler CPU cost (fake backend) -------------------------------------------------------------
 
 
@@ -277,15 +270,12 @@ def measure_cpu_cost(cfg: BenchConfig) -> dict[str, Any]:
             demands = 0
             for step in range(cc.warmup_steps + cc.steps):
                 for c in contenders:
-                    record = timed_step(c, w, step, None, torch.device("cpu"))
+                    record = timed_step(c, step, None, torch.device("cpu"))
                     if step >= cc.warmup_steps:
                         times[c.mode].append(record["cpu_s"])
                         if c.mode == "record_and_replay":
                             demands = record["stats"]["demands"]
-            for c in contenders:
-                if c.sched is not None:
-                    c.sched.detach()
-                c.observer.remove()
+            release(contenders)
     finally:
         torch.set_num_threads(threads)
     medians = {m: statistics.median(t) for m, t in times.items()}
@@ -304,8 +294,3 @@ def measure_cpu_cost(cfg: BenchConfig) -> dict[str, Any]:
         "per_demand_us": {m: o * plain / demands * 1e6 for m, o in overhead.items() if demands},
     }
 
-
-if __name__ == "__main__":
-    config_path, results_path, out_dir = sys.argv[1:4]
-    cfg = BenchConfig.from_dict(json.loads(Path(config_path).read_text()))
-    Path(results_path).write_text(json.dumps(run_ranks(cfg, Path(out_dir))))

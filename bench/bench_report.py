@@ -6,7 +6,7 @@ import math
 import re
 import statistics
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 # Targets of issue 4, checked on every full run and written next to the figures.
 TARGET_VS_DEMAND = 1.25
@@ -41,49 +41,59 @@ def _exposed_by_unit(per_step: list[list[tuple[str, float]]]) -> dict[str, float
     return out
 
 
+def _mode_figures(steps: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """One mode's figures from its timed steps (``steps[i][rank]``): the step time of a step is the
+    slowest rank's; times, counts and the scheduler's counters are the ranks' mean (median over
+    steps); the peak is the maximum over ranks and steps; losses are every rank's, in rank order."""
+    step_s = [max(r["step_s"] for r in s) for s in steps]
+
+    def mean_of(key: str) -> float:
+        return _median([statistics.fmean(r[key] for r in s) for s in steps])
+
+    def rank_mean(get: Callable[[dict[str, Any]], float]) -> float:
+        return statistics.fmean(statistics.fmean(get(r) for r in s) for s in steps)
+
+    scheduled = "stats" in steps[0][0]  # not for plain FSDP2
+
+    q1, q3 = _quartiles(step_s)
+    return {
+        "median_step_s": _median(step_s),
+        "q1_step_s": q1,
+        "q3_step_s": q3,
+        "step_s": step_s,
+        "exposed_gather_s": mean_of("exposed_gather_s"),
+        "first_exposed_s": mean_of("first_exposed_s"),
+        "issue_s": mean_of("issue_s"),
+        "copy_out_s": mean_of("copy_out_s"),
+        "reduce_scatter_s": mean_of("reduce_scatter_s"),
+        "gathers": rank_mean(lambda r: r["gathers"]),
+        "reduce_scatters": rank_mean(lambda r: r["reduce_scatters"]),
+        "hits": rank_mean(lambda r: r["observed"].get("hit", 0)),
+        "misses": rank_mean(lambda r: r["observed"].get("miss", 0)),
+        "resident": rank_mean(lambda r: r["observed"].get("resident", 0)),
+        "prefetches": rank_mean(lambda r: r["stats"]["prefetches"]) if scheduled else None,
+        "kept": rank_mean(lambda r: r["stats"]["kept"]) if scheduled else None,
+        "wasted": rank_mean(lambda r: r["stats"]["wasted"]) if scheduled else None,
+        "divergences": sum(max(r["stats"]["divergences"] for r in s) for s in steps) if scheduled else None,
+        "peak_unsharded_bytes": max(r["peak_unsharded_bytes"] for s in steps for r in s),
+        "losses": [[loss for r in s for loss in r["losses"]] for s in steps],
+        "exposed_by_unit_ms": _exposed_by_unit([s[0]["exposures"] for s in steps]),
+    }
+
+
+def _per_step(per_rank: list[dict[str, Any]], mode: str) -> list[list[dict[str, Any]]]:
+    """``[step][rank]`` records of ``mode`` from each rank's ``{"modes": {mode: [record per step]}}``."""
+    return [[r["modes"][mode][i] for r in per_rank] for i in range(len(per_rank[0]["modes"][mode]))]
+
+
 def summarize(ranks: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]:
-    """Per workload and mode; step time is the slowest rank's, other times are the ranks' mean."""
+    """Per workload and mode (see ``_mode_figures``), with the bound and the share of the wait hidden."""
     names = list(ranks[0]["workloads"])
     out: dict[str, Any] = {}
     for name in names:
         per_rank = [r["workloads"][name] for r in ranks]
         w0 = per_rank[0]
-        n_steps = len(w0["modes"][modes[0]])
-        figures: dict[str, Any] = {}
-        for mode in modes:
-            steps = [[wr["modes"][mode][i] for wr in per_rank] for i in range(n_steps)]
-            step_s = [max(r["step_s"] for r in s) for s in steps]
-
-            def mean_of(key: str) -> float:
-                return _median([statistics.fmean(r[key] for r in s) for s in steps])
-
-            obs = [s[0]["observed"] for s in steps]
-            counts = {k: statistics.fmean(o.get(k, 0) for o in obs) for k in ("hit", "miss", "resident")}
-            stats = [s[0].get("stats") for s in steps]
-            q1, q3 = _quartiles(step_s)
-            figures[mode] = {
-                "median_step_s": _median(step_s),
-                "q1_step_s": q1,
-                "q3_step_s": q3,
-                "step_s": step_s,
-                "exposed_gather_s": mean_of("exposed_gather_s"),
-                "first_exposed_s": mean_of("first_exposed_s"),
-                "issue_s": mean_of("issue_s"),
-                "copy_out_s": mean_of("copy_out_s"),
-                "reduce_scatter_s": mean_of("reduce_scatter_s"),
-                "gathers": statistics.fmean(s[0]["gathers"] for s in steps),
-                "reduce_scatters": statistics.fmean(s[0]["reduce_scatters"] for s in steps),
-                "hits": counts["hit"],
-                "misses": counts["miss"],
-                "resident": counts["resident"],
-                "prefetches": statistics.fmean(s["prefetches"] for s in stats) if stats[0] else None,
-                "kept": statistics.fmean(s["kept"] for s in stats) if stats[0] else None,
-                "wasted": statistics.fmean(s["wasted"] for s in stats) if stats[0] else None,
-                "divergences": sum(s["divergences"] for s in stats) if stats[0] else None,
-                "peak_unsharded_bytes": max(r["peak_unsharded_bytes"] for s in steps for r in s),
-                "losses": [s[0]["losses"] for s in steps],
-                "exposed_by_unit_ms": _exposed_by_unit([s[0]["exposures"] for s in steps]),
-            }
+        figures = {mode: _mode_figures(_per_step(per_rank, mode)) for mode in modes}
         compute = _median([max(wr["compute_only_s"][i] for wr in per_rank) for i in range(len(w0["compute_only_s"]))])
         bounds = {
             owner: _bound(compute, [wr["comm_only"][owner] for wr in per_rank], len(w0["collectives"][owner]))
@@ -133,6 +143,27 @@ def _bound(compute: float, per_rank: list[list[dict[str, float]]], collectives: 
         "non_overlappable_comm_s": non_overlappable,
         "bound_s": max(compute, overlappable) + non_overlappable,
     }
+
+
+PIPELINE_FIGURES = ("gathers", "exposed_gather_s", "peak_unsharded_bytes", "median_step_s")
+"""The pipeline table's figures, each also given as a ratio to plain FSDP2's."""
+
+
+def summarize_pipeline(ranks: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]:
+    """Per schedule and mode (see ``_mode_figures``), each of ``PIPELINE_FIGURES`` also as mode / plain."""
+    out: dict[str, Any] = {}
+    for schedule in ranks[0]["schedules"]:
+        per_rank = [r["schedules"][schedule] for r in ranks]
+        figures = {mode: _mode_figures(_per_step(per_rank, mode)) for mode in modes}
+        for f in figures.values():
+            f["vs_plain"] = {k: f[k] / figures["plain"][k] if figures["plain"][k] else float("nan") for k in PIPELINE_FIGURES}
+        out[schedule] = {
+            "stages_by_rank": [r["stages"] for r in per_rank],
+            "unit_bytes": per_rank[0]["unit_bytes"],
+            "modes": figures,
+            "losses_equal": all(figures[m]["losses"] == figures["plain"]["losses"] for m in modes),
+        }
+    return out
 
 
 def check_targets(workloads: dict[str, Any], cpu_cost: dict[str, Any] | None) -> list[dict[str, Any]]:
@@ -261,11 +292,31 @@ def targets_table(targets: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def render(report: dict[str, Any]) -> str:
-    """The generated section of BENCHMARKS.md (and ``table.md``)."""
-    modes = report["config"]["bench"]["modes"]
+def pipeline_table(schedules: dict[str, Any], modes: list[str]) -> str:
+    lines = [
+        "| schedule | mode | all-gathers per rank (x plain) | exposed AG wait ms (x plain) | peak unsharded MiB (x plain) "
+        "| median step ms (IQR) (x plain) | hits / misses / resident (kept) / wasted |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, sch in schedules.items():
+        for mode in modes:
+            f = sch["modes"][mode]
+            r = f["vs_plain"]
+            lines.append(
+                f"| {name} | {mode} | {_count(f['gathers'])} ({r['gathers']:.2f}) | "
+                f"{_ms(f['exposed_gather_s'])} ({r['exposed_gather_s']:.2f}) | "
+                f"{_mb(f['peak_unsharded_bytes'])} ({r['peak_unsharded_bytes']:.2f}) | "
+                f"{_ms(f['median_step_s'])} ({_ms(f['q1_step_s'])}-{_ms(f['q3_step_s'])}) ({r['median_step_s']:.2f}) | "
+                f"{_count(f['hits'])} / {_count(f['misses'])} / {_count(f['resident'])} ({_count(f['kept'])}) / "
+                f"{_count(f['wasted'])} |"
+            )
+    return "\n".join(lines)
+
+
+def _run_lines(report: dict[str, Any]) -> list[str]:
+    """Command, machine and interconnect: the first lines of every generated section."""
     m = report["machine"]
-    parts = [
+    return [
         f"Command: `{report['command']}`",
         "",
         f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']:.0f} GiB, {m['platform']}, "
@@ -274,6 +325,13 @@ def render(report: dict[str, Any]) -> str:
         "",
         f"Interconnect: {report['interconnect']}",
         "",
+    ]
+
+
+def render(report: dict[str, Any]) -> str:
+    """The generated section of BENCHMARKS.md (and ``table.md``)."""
+    modes = report["config"]["bench"]["modes"]
+    parts = _run_lines(report) + [
         f"Model: {report['config']['bench']['n_blocks']} blocks of dim {report['config']['bench']['dim']}, "
         f"hidden {report['config']['bench']['hidden']}, {report['config']['bench']['rows']} rows per microbatch; "
         f"{report['config']['bench']['warmup_steps']} warmup + {report['config']['bench']['steps']} timed steps "
@@ -294,6 +352,32 @@ def render(report: dict[str, Any]) -> str:
     if report.get("plot"):
         parts += [f"![step time per mode and workload, bound drawn in]({report['plot']})", ""]
     return "\n".join(parts)
+
+
+def render_pipeline(report: dict[str, Any]) -> str:
+    """The generated section of the pipeline run (``suite=pipeline``)."""
+    run, p = report["config"]["bench"], report["config"]["pipeline"]
+    schedules = report["pipeline"]
+    stages = ", ".join(f"{name} {len(s['stages_by_rank'][0])}" for name, s in schedules.items())
+    unit_mib = _mb(max(max(s["unit_bytes"]) for s in schedules.values()))
+    equal = all(s["losses_equal"] for s in schedules.values())
+    return "\n".join(
+        _run_lines(report)
+        + [
+            f"Model: pp {p['pp']} x dp {p['world_size'] // p['pp']}; stages per rank: {stages}; "
+            f"{p['blocks_per_stage']} blocks of dim {p['dim']} per stage ({unit_mib} MiB per block unit), every "
+            f"block and stage a `fully_shard` unit over dp, `reshard_after_forward=True`; {p['rows']} rows per "
+            f"step in {p['microbatches']} microbatches; {run['warmup_steps']} warmup + {run['steps']} timed steps "
+            f"per mode, alternating {' '.join(run['modes'])}. Run took {report['wall_s']:.0f} s.",
+            "",
+            "In brackets: mode / plain FSDP2 (below 1: fewer, less, faster). Step time: the slowest rank's, "
+            "median over the timed steps; all-gathers, exposed wait, hits/misses: mean over ranks; peak: "
+            f"maximum over ranks and steps. Losses identical in every mode: {'yes' if equal else '**no**'}.",
+            "",
+            pipeline_table(schedules, run["modes"]),
+            "",
+        ]
+    )
 
 
 def update_markdown(path: Path, section: str, device: str) -> None:

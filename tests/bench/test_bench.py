@@ -30,23 +30,39 @@ def _namespaces() -> set[str]:
     return {line.split()[0] for line in out.splitlines() if line.strip()}
 
 
+def _run_bench(run_dir: Path, *overrides: str) -> tuple[dict, str, set[str]]:
+    """``bench/bench.py bench.quick=true`` with ``overrides``, writing into ``run_dir`` (its BENCHMARKS.md
+    too); the report, stdout, and the network namespaces the run left behind."""
+    md = run_dir / "BENCHMARKS.md"
+    md.write_text("# Benchmarks\n\nhand-written analysis stays\n")
+    proc = subprocess.Popen(
+        [sys.executable, str(BENCH / "bench.py"), "bench.quick=true", f"hydra.run.dir={run_dir}",
+         f"bench.update_benchmarks_md={md}", *overrides],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-5000:]
+    # Only this run's namespaces (named after its pid): other benchmark runs may share the machine.
+    leaked = {name for name in _namespaces() if name.startswith(f"fsdpbench-{proc.pid}-")}
+    return json.loads((run_dir / "results.json").read_text()), stdout, leaked
+
+
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory) -> tuple[dict, Path, str, set[str]]:
     run_dir = tmp_path_factory.mktemp("bench")
-    md = run_dir / "BENCHMARKS.md"
-    md.write_text("# Benchmarks\n\nhand-written analysis stays\n")
-    before = _namespaces()
-    with subprocess.Popen(
-        [sys.executable, str(BENCH / "bench.py"), "bench.quick=true", f"hydra.run.dir={run_dir}",
-         f"bench.update_benchmarks_md={md}"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=dict(os.environ, PYTHONPATH=str(REPO)),
-    ) as proc:
-        stdout, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 0, stdout[-3000:] + stderr[-5000:]
-    # Only this run's namespaces (named after its pid): another benchmark may run beside the tests.
-    leaked = {name for name in _namespaces() - before if name.startswith(f"fsdpbench-{proc.pid}-")}
-    return json.loads((run_dir / "results.json").read_text()), run_dir, stdout, leaked
+    report, stdout, leaked = _run_bench(run_dir)
+    return report, run_dir, stdout, leaked
+
+
+@pytest.fixture(scope="module")
+def pipeline_run(tmp_path_factory) -> tuple[dict, Path, str, set[str]]:
+    run_dir = tmp_path_factory.mktemp("bench_pipeline")
+    report, stdout, leaked = _run_bench(run_dir, "suite=pipeline")
+    return report, run_dir, stdout, leaked
 
 
 def test_quick_run_writes_table_json_plot_and_markdown_section(quick_run):
@@ -126,3 +142,35 @@ def test_namespace_is_deleted_when_the_run_inside_fails():
             assert bench_netns.exists(name) and "tbf" in bench_netns.qdisc(name)
             raise RuntimeError("boom")
     assert not bench_netns.exists(name)
+
+
+# --- suite=pipeline: Schedule1F1B and ScheduleInterleaved1F1B on pp 2 x dp 2 -------------------------
+
+
+def test_pipeline_run_reports_every_schedule_and_mode_in_its_own_markdown_region(pipeline_run):
+    report, run_dir, stdout, leaked = pipeline_run
+    schedules = report["config"]["pipeline"]["schedules"]
+    assert report["world_size"] == 4 and set(report["pipeline"]) == set(schedules) == {"Schedule1F1B", "ScheduleInterleaved1F1B"}
+    table = (run_dir / "table.md").read_text()
+    assert table.strip() in stdout
+    for name in schedules:
+        for mode in MODES:
+            assert f"| {name} | {mode} |" in table, (name, mode)
+    md = (run_dir / "BENCHMARKS.md").read_text()
+    assert "hand-written analysis stays" in md and "<!-- bench:results:pipeline:cpu -->" in md
+    assert "<!-- bench:results:cpu -->" not in md  # the standard region is left alone
+    assert not leaked
+
+
+def test_pipeline_modes_issue_no_more_all_gathers_than_plain_and_compute_the_same_losses(pipeline_run):
+    for name, sch in pipeline_run[0]["pipeline"].items():
+        plain = sch["modes"]["plain"]
+        assert plain["gathers"] > 0 and plain["vs_plain"]["gathers"] == 1, name
+        for mode in MODES:
+            f = sch["modes"][mode]
+            assert f["gathers"] <= plain["gathers"], (name, mode)
+            assert f["vs_plain"]["gathers"] == pytest.approx(f["gathers"] / plain["gathers"]), (name, mode)
+            assert f["losses"] == plain["losses"] and f["losses"][0], (name, mode)  # the last stage's ranks report losses
+        rr = sch["modes"]["record_and_replay"]
+        assert rr["misses"] == 0 and rr["divergences"] == 0, name
+        assert sch["losses_equal"], name
