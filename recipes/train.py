@@ -14,7 +14,6 @@ and ``.hydra/``, and ``checkpoints/step_N`` when saving.
 from __future__ import annotations
 
 import contextlib
-import enum
 import functools
 import logging
 import os
@@ -37,6 +36,7 @@ from omegaconf.errors import OmegaConfBaseException
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp_replay import PrefetchMode, PrefetchScheduler, PrefetchStats, fully_shard, scheduler_of
+from fsdp_replay.testing.workloads import Pass, Schedule, interleaved, sequential
 from train_lib.checkpoint import load_checkpoint, save_checkpoint
 from train_lib.config import MicrobatchSchedule, TrainJobConfig, quiet_nonzero_ranks, register_configs, to_job_config
 from train_lib.llama import Transformer
@@ -54,19 +54,9 @@ CONFIG_NAME = "train"
 VALIDATE_ONLY = "--validate-only"
 
 
-class Pass(enum.Enum):
-    forward = "F"
-    backward = "B"
-
-
-def microbatch_schedule(n: int, schedule: MicrobatchSchedule) -> list[tuple[Pass, int]]:
+def microbatch_schedule(n: int, schedule: MicrobatchSchedule) -> Schedule:
     """The passes of one optimizer step, e.g. interleaved with n=3: F0 F1 B0 F2 B1 B2."""
-    if schedule is MicrobatchSchedule.sequential:
-        return [(p, i) for i in range(n) for p in (Pass.forward, Pass.backward)]
-    passes = [(Pass.forward, 0)]
-    for i in range(1, n):
-        passes += [(Pass.forward, i), (Pass.backward, i - 1)]
-    return passes + [(Pass.backward, n - 1)]
+    return sequential(n) if schedule is MicrobatchSchedule.sequential else interleaved(n)
 
 
 def launch_world() -> int:

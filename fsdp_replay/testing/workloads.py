@@ -7,6 +7,7 @@ iteration: a schedule of microbatch forwards ``("F", i)`` and backwards ``("B", 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+import enum
 from typing import Callable, Sequence
 
 import torch
@@ -14,9 +15,34 @@ import torch.nn as nn
 from torch.distributed.fsdp import fully_shard
 from torch.utils.checkpoint import checkpoint
 
+class Pass(str, enum.Enum):
+    """One pass of a microbatch. It equals its letter, so ``("F", 0)`` and ``(Pass.forward, 0)``
+    are the same step of a :data:`Schedule`."""
+
+    forward = "F"
+    backward = "B"
+
+
 Schedule = Sequence[tuple[str, int]]
-SEQUENTIAL: Schedule = (("F", 0), ("B", 0))
-ONE_F_ONE_B: Schedule = (("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("B", 2))
+"""One optimizer step's passes in order, as ``(pass, microbatch)``: the one representation of a
+microbatch schedule (tests, reliability harness, training recipe)."""
+
+
+def sequential(n: int) -> Schedule:
+    """F0 B0 F1 B1 ...: gradient accumulation, each microbatch's backward right after its forward."""
+    return tuple((p, i) for i in range(n) for p in (Pass.forward, Pass.backward))
+
+
+def interleaved(n: int) -> Schedule:
+    """F0 F1 B0 F2 B1 ... B(n-1): 1F1B-style, each loss alive until its backward."""
+    passes = [(Pass.forward, 0)]
+    for i in range(1, n):
+        passes += [(Pass.forward, i), (Pass.backward, i - 1)]
+    return tuple(passes + [(Pass.backward, n - 1)])
+
+
+SEQUENTIAL: Schedule = sequential(1)
+ONE_F_ONE_B: Schedule = interleaved(3)
 
 
 class Block(nn.Module):

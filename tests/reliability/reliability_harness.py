@@ -23,6 +23,7 @@ import torch.nn as nn
 from fsdp_replay.testing.distributed import spawn
 from fsdp_replay.testing.internals import gather_pending, param_groups
 from fsdp_replay.testing.observer import fsdp_units
+from fsdp_replay.testing.workloads import Schedule
 
 LONG = os.environ.get("FSDP_REPLAY_LONG", "") not in ("", "0")
 """The long profile (``FSDP_REPLAY_LONG=1``): more examples, more faults, 2,000-iteration soak."""
@@ -192,9 +193,6 @@ def same_floats(a: Sequence[float], b: Sequence[float]) -> bool:
 
 
 # --- models and schedules -------------------------------------------------------------------------
-
-Schedule = tuple[tuple[str, int], ...]
-SEQUENTIAL: Schedule = (("F", 0), ("B", 0))
 
 
 @dataclass(frozen=True)

@@ -19,11 +19,11 @@ import torch.nn as nn
 import fsdp_replay
 from fsdp_replay import PrefetchConfig, attach, scheduler_of
 from fsdp_replay.testing.distributed import fake_world
+from fsdp_replay.testing.workloads import SEQUENTIAL
 from reliability_harness import ModelSpec, build_model, fsdp_states, hook_count, record_figures, run_schedule
 
 REPO = Path(__file__).resolve().parents[2]
 SPEC = ModelSpec(n_blocks=2, calls=(0, 1, 0))
-SEQUENTIAL = (("F", 0), ("B", 0))
 BAD_CONFIGS = [
     ({"mode": "fast"}, "PrefetchConfig.mode"),
     ({"mode": None}, "PrefetchConfig.mode"),

@@ -23,6 +23,7 @@ import torch
 from fsdp_replay import PrefetchConfig, attach
 from fsdp_replay.testing.internals import clear_unsharded_grad, fsdp_params, unsharded_grad
 from fsdp_replay.testing.observer import DemandObserver
+from fsdp_replay.testing.workloads import sequential
 from reliability_harness import (
     LONG,
     ModelSpec,
@@ -42,7 +43,7 @@ from reliability_harness import (
 
 SPEC = ModelSpec(n_blocks=3, calls=(0, 1, 2, 1), spans=((2, 4),))
 """blocks.1 runs twice; the last two calls are one checkpoint region, recomputed in backward."""
-SCHEDULE = (("F", 0), ("B", 0), ("F", 1), ("B", 1))
+SCHEDULE = sequential(2)
 """Two accumulated microbatches: a fault in the second comes after the first's gradients."""
 MICROBATCHES = 2
 AFTER = 3
