@@ -59,6 +59,8 @@ class Block(nn.Module):
 
 @dataclass(frozen=True)
 class PipelineSetup:
+    """A pipeline workload: the schedule, the chunks each rank holds, sizes and FSDP2 options."""
+
     schedule: str
     chunks: int = 2
     """Stages per rank for the looped schedules (V schedules always hold two, single ones one)."""
@@ -114,8 +116,9 @@ def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (output - target).pow(2).mean()
 
 
-def make_schedule(setup: PipelineSetup, stages: list[PipelineStage]) -> Any:
-    cls = getattr(pipeline_schedules, setup.schedule)
+def make_schedule(setup: PipelineSetup, stages: list[PipelineStage], name: str | None = None) -> Any:
+    """``setup``'s schedule (or the one called ``name``, over the same stages)."""
+    cls = getattr(pipeline_schedules, name or setup.schedule)
     first = stages[0] if setup.schedule in SINGLE_STAGE_SCHEDULES else stages
     return cls(first, n_microbatches=setup.microbatches, loss_fn=_loss)
 
@@ -126,14 +129,22 @@ def _batch(setup: PipelineSetup, step: int, dp_rank: int) -> tuple[torch.Tensor,
 
 
 def run_pipeline(
-    setup: PipelineSetup, mesh: DeviceMesh, mode: str, *, steps: int = 3, explicit: bool = True
+    setup: PipelineSetup,
+    mesh: DeviceMesh,
+    mode: str,
+    *,
+    steps: int = 3,
+    explicit: bool = True,
+    switch: tuple[int, str] | None = None,
 ) -> dict[str, Any]:
     """Train ``steps`` steps of ``setup`` with plain FSDP2 (``mode="plain"``) or one scheduler over
-    this rank's chunks (each step in ``iteration("train")`` if ``explicit``); returns, per step,
-    losses, local parameters, the observers' per-demand log, all-gathers issued and the units left
-    unsharded, and the scheduler's counters."""
+    this rank's chunks (each step in ``iteration("train")`` if ``explicit``); ``switch=(step,
+    name)`` runs that step with another schedule over the same stages (a divergence). Returns, per
+    step, losses, local parameters, the observers' per-demand log, all-gathers issued and the units
+    left unsharded, and the scheduler's counters."""
     chunks, stages = build_stages(setup, mesh)
     schedule = make_schedule(setup, stages)
+    other = make_schedule(setup, stages, switch[1]) if switch is not None else None
     sched = None if mode == "plain" else attach(chunks, PrefetchConfig(mode=mode))
     observers = [DemandObserver(chunk) for chunk in chunks]
     opt = torch.optim.SGD([p for chunk in chunks for p in chunk.parameters()], lr=0.05)
@@ -145,7 +156,7 @@ def run_pipeline(
         x, y = _batch(setup, step, dp_rank)
         losses: list[torch.Tensor] = []
         with counting_all_gathers() as gathers, _scope(sched if explicit else None):
-            schedule.step(
+            (other if switch is not None and step == switch[0] else schedule).step(
                 *((x,) if has_first else ()), target=y if has_last else None, losses=losses if has_last else None
             )
         records.append(

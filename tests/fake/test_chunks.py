@@ -8,7 +8,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from fsdp_replay import PrefetchConfig, attach, scheduler_of
 from fsdp_replay.stats import Demand
-from fsdp_replay.testing.observer import DemandObserver
+from fsdp_replay.testing.observer import DemandObserver, held_units
 from fsdp_replay.testing.workloads import linear_stack
 
 
@@ -110,3 +110,24 @@ def test_a_reshard_of_everything_that_every_step_makes_is_not_a_prefix(mesh8):
         lengths.append(len(sched.recorded_order("train")))
     assert lengths[0] == lengths[1] == lengths[2]
     assert sched.stats.as_dict()["divergences"] == 0
+
+
+def test_an_exception_in_an_iteration_resets_every_chunk(mesh8):
+    chunks = _chunks(mesh8)
+    sched = attach(chunks, PrefetchConfig(mode="record_and_replay"))
+    with sched.iteration("train"):
+        _step(chunks, torch.randn(4, 8))
+    def boom(module, args):  # after FSDP2's pre-forward gathered chunk 1's unit 2
+        raise RuntimeError("boom")
+
+    handle = chunks[1][2].register_forward_pre_hook(boom)
+    with pytest.raises(RuntimeError, match="boom"):
+        with sched.iteration("train"):
+            _step(chunks, torch.randn(4, 8))
+    handle.remove()
+    assert not [name for chunk in chunks for name in held_units(chunk)]  # the second root was reset too
+    assert sched.recorded_order("train") is None  # the failed replay dropped it
+    for _ in range(2):
+        with sched.iteration("train"):
+            _step(chunks, torch.randn(4, 8))
+    assert sched.recorded_order("train") is not None

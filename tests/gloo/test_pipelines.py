@@ -34,6 +34,8 @@ CORRECT_SETUPS = [PipelineSetup(schedule=name, reshard_after_forward=False) for 
 ]
 UPSTREAM_WRONG_SETUPS = [PipelineSetup(schedule=name) for name in SCHEDULES if name in ZERO_BUBBLE_SCHEDULES]
 AUTOMATIC_SETUPS = [PipelineSetup(schedule="Schedule1F1B"), PipelineSetup(schedule="ScheduleInterleaved1F1B")]
+DIVERGENT = (PipelineSetup(schedule="ScheduleInterleaved1F1B"), (2, "ScheduleLoopedBFS"))
+"""Step 2 of 4 runs another schedule over the same chunks: its iteration leaves the recorded order."""
 
 
 class _Messages(logging.Handler):
@@ -51,6 +53,9 @@ def _everything(mesh) -> dict:
     for setup in CORRECT_SETUPS + UPSTREAM_WRONG_SETUPS:
         for mode in ("plain",) + MODES:
             results[setup, mode] = run_pipeline(setup, mesh, mode)
+    setup, switch = DIVERGENT
+    for mode in ("plain", "record_and_replay"):
+        results[setup, "divergent", mode] = run_pipeline(setup, mesh, mode, steps=4, switch=switch)
     for setup in AUTOMATIC_SETUPS:
         messages = _Messages()
         logging.getLogger("fsdp_replay").addHandler(messages)
@@ -119,3 +124,13 @@ def test_automatic_scopes_stop_with_one_message(ranks, setup) -> None:
         said = [line for line in got["messages"] if "no automatic scopes" in line]
         assert len(said) == 1 and "sched.iteration" in said[0], got["messages"]
         assert got["order"] is None
+
+
+def test_a_step_that_leaves_the_order_falls_back_and_records_again(ranks) -> None:
+    setup, _ = DIVERGENT
+    for rank, results in enumerate(ranks):
+        got, plain = results[setup, "divergent", "record_and_replay"], results[setup, "divergent", "plain"]
+        _same_numerics(got, plain)
+        assert got["stats"]["divergences"] == 1 and got["stats"]["recordings"] == 2, (rank, got["stats"])
+        assert all(a["all_gathers"] <= b["all_gathers"] for a, b in zip(got["steps"], plain["steps"]))
+        assert [a["held"] for a in got["steps"]] == [b["held"] for b in plain["steps"]]
