@@ -175,9 +175,20 @@ def queue_backward_callback(callback: Callable[[], None]) -> None:
 # --- FSDP2's own prefetch, turned off while attached ----------------------------------------
 
 
+class _NothingToPrefetch:
+    """Stands in FSDP2's backward prefetch list: a non-empty list turns FSDP2's implicit backward
+    prefetch off, and a state with no param groups gives FSDP2's loop over it nothing to do (the
+    unit itself there would cost a no-op ``_prefetch_unshard``, a profiler range, per backward use)."""
+
+    _fsdp_param_groups: tuple[()] = ()
+
+
+_NOTHING_TO_PREFETCH = _NothingToPrefetch()
+
+
 def disable_own_prefetch(state: Any) -> tuple[Any, Any]:
-    """Turn FSDP2's own prefetch off: no explicit lists, and a backward list holding the unit itself
-    (which turns the implicit backward prefetch off too).
+    """Turn FSDP2's own prefetch off: no explicit forward list, and a backward list FSDP2 finds
+    nothing to gather in (which turns the implicit backward prefetch off too).
 
     Returns ``(saved, installed)`` for :func:`restore_own_prefetch`.
     """
@@ -186,7 +197,7 @@ def disable_own_prefetch(state: Any) -> tuple[Any, Any]:
         state.set_modules_to_backward_prefetch([state])
         return None, None
     saved = (state._states_to_forward_prefetch, state._states_to_backward_prefetch)
-    installed: tuple[list[Any], list[Any]] = ([], [state])
+    installed: tuple[list[Any], list[Any]] = ([], [_NOTHING_TO_PREFETCH])
     state._states_to_forward_prefetch, state._states_to_backward_prefetch = installed
     return saved, installed
 
