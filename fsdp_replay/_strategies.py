@@ -152,7 +152,7 @@ class Replay:
         return None
 
     def _realign(self, *, at_end: bool) -> bool:
-        """The prefix rule: follow the recording from the first later position that matches every
+        """The prefix rule: follow the recording from the first other position that matches every
         demand of the scope (and, ``at_end``, has no more); False where none does."""
         seen = self._seen
         if seen is None:

@@ -35,7 +35,6 @@ from fsdp_replay.stats import Count, Demand, PrefetchStats
 logger = logging.getLogger("fsdp_replay")
 
 
-
 class PrefetchDivergenceError(RuntimeError):
     """A replayed scope left its recorded order while ``on_divergence="raise"``."""
 
