@@ -1,0 +1,70 @@
+"""Python calls per demand each mode adds to plain FSDP2: the scheduler's CPU cost, counted instead of timed.
+
+python bench/bench_calls.py [--steps 5]
+
+The CPU-cost workload of ``configs/bench.yaml`` (fake backend, world 8, 64 tiny units) under
+``cProfile``: unlike a time, the count does not depend on what else runs on the machine, so a
+change to the per-demand path can be judged on a loaded machine too (BENCHMARKS.md, CPU cost).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+
+import torch
+
+from fsdp_replay import PrefetchConfig, attach
+from fsdp_replay.testing.distributed import fake_world
+from fsdp_replay.testing.workloads import run_iteration, workload
+
+MODES = ("plain", "demand", "static", "record_and_replay")
+
+
+def calls_per_step(mode: str, mesh, steps: int, warmup: int = 3) -> tuple[float, int]:
+    """Python calls per step of ``mode`` (after ``warmup`` steps, which record), and demands per step."""
+    w = workload("sequential", dim=16, hidden=32, n_blocks=64, rows=4)
+    model = w.make_model().shard(mesh)
+    sched = attach(model, PrefetchConfig(mode=mode)) if mode != "plain" else None
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step(i: int) -> None:
+        if sched is None:
+            run_iteration(model, w, i)
+        else:
+            with sched.iteration("train"):
+                run_iteration(model, w, i)
+        opt.step()
+        opt.zero_grad()
+
+    for i in range(warmup):
+        step(i)
+    profile = cProfile.Profile()
+    profile.enable()
+    for i in range(warmup, warmup + steps):
+        step(i)
+    profile.disable()
+    demands = 0
+    if sched is not None:
+        demands = sched.stats.per_key["train"].demands // (warmup + steps)
+        sched.detach()
+    return pstats.Stats(profile).total_calls / steps, demands
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    with fake_world(8) as mesh:
+        counts = {mode: calls_per_step(mode, mesh, args.steps) for mode in MODES}
+    demands = counts["record_and_replay"][1]
+    plain = counts["plain"][0]
+    print(f"{demands} demands per step; Python calls per demand added to plain FSDP2's {plain / demands:.0f}:")
+    for mode in MODES[1:]:
+        print(f"  {mode:18s} {(counts[mode][0] - plain) / demands:6.1f}")
+
+
+if __name__ == "__main__":
+    main()
