@@ -26,10 +26,11 @@ from fsdp_replay import PrefetchConfig, attach
 from fsdp_replay.testing.observer import DemandObserver
 from fsdp_replay.testing.pipelines import (
     PipelineSetup,
-    _batch,  # the seeded per-dp-rank batch the library's pipeline tests train on
     build_stages,
     make_schedule,
+    pipeline_batch,
     pipeline_mesh,
+    schedule_step,
     stage_indices,
 )
 
@@ -55,15 +56,11 @@ def build_contender(mode: str, setup: PipelineSetup, mesh: DeviceMesh, run: RunC
         config = PrefetchConfig(mode=mode, forward_prefetch=run.forward_prefetch, backward_prefetch=run.backward_prefetch)
         sched = attach(chunks, config)
     observer = DemandObserver(model)  # after attach: its hooks run first
-    has_first = any(stage.is_first for stage in stages)
-    has_last = any(stage.is_last for stage in stages)
     dp_rank = mesh.get_local_rank("dp")
 
     def iterate(step: int) -> list[float]:
-        x, y = _batch(setup, step, dp_rank)
-        losses: list[torch.Tensor] = []
-        schedule.step(*((x,) if has_first else ()), target=y if has_last else None, losses=losses if has_last else None)
-        return [loss.item() for loss in losses]
+        x, y = pipeline_batch(setup, step, dp_rank)
+        return [loss.item() for loss in schedule_step(schedule, stages, x, y)]
 
     return Contender(mode, model, torch.optim.SGD(model.parameters(), lr=1e-3), sched, observer, iterate)
 

@@ -40,7 +40,7 @@ from fsdp_replay.testing.workloads import Pass, Schedule, interleaved, sequentia
 from train_lib.checkpoint import load_checkpoint, save_checkpoint
 from train_lib.config import MicrobatchSchedule, TrainJobConfig, quiet_nonzero_ranks, register_configs, to_job_config
 from train_lib.llama import Transformer
-from train_lib.pipeline import build_pipeline, pipeline_mesh, pipeline_step
+from train_lib.pipeline import build_pipeline, pipeline_step, recipe_mesh
 from train_lib.report import RunReport, stats_delta
 from train_lib.tokens import Split, TokenData, load_tokens
 
@@ -286,7 +286,7 @@ def main(cfg: DictConfig) -> None:
             link_latest(run_dir)
         if job.pipeline.enabled:
             try:
-                pipe = build_pipeline(job, mesh=pipeline_mesh(job, device), device=device)
+                pipe = build_pipeline(job, mesh=recipe_mesh(job, device), device=device)
             except ValueError as err:  # the schedule's own check of train.microbatches; every rank finds it
                 raise SystemExit(
                     f"recipes/train.py: invalid config: pipeline.schedule={job.pipeline.schedule} with "

@@ -73,9 +73,9 @@ class PipelineSetup:
     """Let the first ``step()`` infer stage shapes (a real forward and backward) instead of giving them."""
 
 
-def pipeline_mesh(world_size: int, pp_size: int = 2) -> DeviceMesh:
-    """A ``(pp, dp)`` CPU mesh over the initialized process group."""
-    return init_device_mesh("cpu", (pp_size, world_size // pp_size), mesh_dim_names=("pp", "dp"))
+def pipeline_mesh(world_size: int, pp_size: int = 2, device_type: str = "cpu") -> DeviceMesh:
+    """A ``(pp, dp)`` mesh over the initialized process group."""
+    return init_device_mesh(device_type, (pp_size, world_size // pp_size), mesh_dim_names=("pp", "dp"))
 
 
 def build_stages(setup: PipelineSetup, mesh: DeviceMesh) -> tuple[list[nn.Module], list[PipelineStage]]:
@@ -116,14 +116,29 @@ def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (output - target).pow(2).mean()
 
 
+def schedule_for(name: str, stages: list[PipelineStage], *, microbatches: int, loss_fn: Any) -> Any:
+    """``torch.distributed.pipelining.schedules.<name>`` over this rank's stages (a single-stage
+    schedule takes the one stage, the others the list)."""
+    cls = getattr(pipeline_schedules, name)
+    return cls(stages[0] if name in SINGLE_STAGE_SCHEDULES else stages, n_microbatches=microbatches, loss_fn=loss_fn)
+
+
 def make_schedule(setup: PipelineSetup, stages: list[PipelineStage], name: str | None = None) -> Any:
     """``setup``'s schedule (or the one called ``name``, over the same stages)."""
-    cls = getattr(pipeline_schedules, name or setup.schedule)
-    first = stages[0] if setup.schedule in SINGLE_STAGE_SCHEDULES else stages
-    return cls(first, n_microbatches=setup.microbatches, loss_fn=_loss)
+    return schedule_for(name or setup.schedule, stages, microbatches=setup.microbatches, loss_fn=_loss)
 
 
-def _batch(setup: PipelineSetup, step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+def schedule_step(schedule: Any, stages: list[PipelineStage], inputs: Any, target: Any, **kwargs: Any) -> list[Any]:
+    """One ``schedule.step()``: the inputs go in on the rank holding the first stage, the target on the
+    rank holding the last, which also gets each microbatch's loss (returned; empty elsewhere)."""
+    first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
+    losses: list[Any] = []
+    schedule.step(*((inputs,) if first else ()), target=target if last else None, losses=losses if last else None, **kwargs)
+    return losses
+
+
+def pipeline_batch(setup: PipelineSetup, step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The seeded inputs and targets of one step for one ``dp`` rank (the same in every mode)."""
     g = torch.Generator().manual_seed(1000 * step + dp_rank)
     return torch.randn(setup.rows, setup.dim, generator=g), torch.randn(setup.rows, setup.dim, generator=g)
 
@@ -148,17 +163,12 @@ def run_pipeline(
     sched = None if mode == "plain" else attach(chunks, PrefetchConfig(mode=mode))
     observers = [DemandObserver(chunk) for chunk in chunks]
     opt = torch.optim.SGD([p for chunk in chunks for p in chunk.parameters()], lr=0.05)
-    has_first = any(stage.is_first for stage in stages)
-    has_last = any(stage.is_last for stage in stages)
     dp_rank = mesh.get_local_rank("dp")
     records = []
     for step in range(steps):
-        x, y = _batch(setup, step, dp_rank)
-        losses: list[torch.Tensor] = []
+        x, y = pipeline_batch(setup, step, dp_rank)
         with counting_all_gathers() as gathers, _scope(sched if explicit else None):
-            (other if switch is not None and step == switch[0] else schedule).step(
-                *((x,) if has_first else ()), target=y if has_last else None, losses=losses if has_last else None
-            )
+            losses = schedule_step(other if switch is not None and step == switch[0] else schedule, stages, x, y)
         records.append(
             {
                 "losses": [loss.item() for loss in losses],

@@ -15,12 +15,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining import schedules as pipeline_schedules
 
 from fsdp_replay import PrefetchScheduler, attach, fully_shard
-from fsdp_replay.testing.pipelines import SINGLE_STAGE_SCHEDULES, ZERO_BUBBLE_SCHEDULES, stage_indices
+from fsdp_replay.testing.pipelines import (
+    ZERO_BUBBLE_SCHEDULES,
+    pipeline_mesh,
+    schedule_for,
+    schedule_step,
+    stage_indices,
+)
 from train_lib.config import TrainJobConfig
 from train_lib.llama import PipelineChunk
 from train_lib.tokens import Split, TokenData
@@ -28,10 +33,9 @@ from train_lib.tokens import Split, TokenData
 log = logging.getLogger("train")
 
 
-def pipeline_mesh(job: TrainJobConfig, device: torch.device) -> DeviceMesh:
+def recipe_mesh(job: TrainJobConfig, device: torch.device) -> DeviceMesh:
     """The ``(pp, dp)`` mesh over every rank (on ``device``'s type, CPU or CUDA)."""
-    stages, world = job.pipeline.stages, dist.get_world_size()
-    return init_device_mesh(device.type, (stages, world // stages), mesh_dim_names=("pp", "dp"))
+    return pipeline_mesh(dist.get_world_size(), job.pipeline.stages, device.type)
 
 
 def lm_loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -46,17 +50,11 @@ class Pipeline:
     mesh: DeviceMesh
     chunks: list[PipelineChunk]
     """The stages this rank holds, each an FSDP2 root over ``dp``, in the order the rank passes them."""
+    stages: list[PipelineStage]
+    """Their ``PipelineStage``s, in the same order."""
     schedule: Any
     sched: PrefetchScheduler | None
     """One scheduler over all ``chunks``; None for plain FSDP2."""
-
-    @property
-    def has_first(self) -> bool:
-        return any(chunk.tok_embeddings is not None for chunk in self.chunks)
-
-    @property
-    def has_last(self) -> bool:
-        return any(chunk.output is not None for chunk in self.chunks)
 
     @property
     def dp_rank(self) -> int:
@@ -113,14 +111,9 @@ def build_pipeline(job: TrainJobConfig, *, mesh: DeviceMesh, device: torch.devic
     stages = [
         PipelineStage(chunk, chunk.stage, cfg.n_stages, device, group=mesh.get_group("pp")) for chunk in chunks
     ]
-    schedule_cls = getattr(pipeline_schedules, cfg.schedule_class)
-    schedule = schedule_cls(
-        stages[0] if cfg.schedule_class in SINGLE_STAGE_SCHEDULES else stages,
-        n_microbatches=job.train.microbatches,
-        loss_fn=lm_loss_fn,
-    )
+    schedule = schedule_for(cfg.schedule_class, stages, microbatches=job.train.microbatches, loss_fn=lm_loss_fn)
     sched = attach(chunks, job.prefetch) if job.train.prefetch_scheduler else None
-    return Pipeline(mesh=mesh, chunks=chunks, schedule=schedule, sched=sched)
+    return Pipeline(mesh=mesh, chunks=chunks, stages=stages, schedule=schedule, sched=sched)
 
 
 def pipeline_step(
@@ -136,14 +129,7 @@ def pipeline_step(
     n = job.train.microbatches
     batches = [data.batch(Split.train, step=step, micro=i, rank=pipe.dp_rank, device=device) for i in range(n)]
     inputs, targets = (torch.cat(parts) for parts in zip(*batches))
-    losses: list[torch.Tensor] = []
-    pipe.schedule.step(
-        *((inputs,) if pipe.has_first else ()),
-        target=targets if pipe.has_last else None,
-        losses=losses if pipe.has_last else None,
-        return_outputs=False,
-    )
     total = torch.zeros((), device=device)
-    for loss in losses:  # summed as the recipe sums microbatches without pipelines
+    for loss in schedule_step(pipe.schedule, pipe.stages, inputs, targets, return_outputs=False):  # summed as the recipe sums microbatches without pipelines
         total += loss.detach() / n
     return total
