@@ -70,12 +70,17 @@ def what_changed(saved: dict[str, Any], current: dict[str, Any]) -> str | None:
     ]
     saved_units, current_units = saved.get("units", {}), current["units"]
     if removed := [fqn for fqn in saved_units if fqn not in current_units]:
-        changes.append(f"units no longer in the model: {', '.join(removed[:3])}{' ...' if len(removed) > 3 else ''}")
+        changes.append(f"units no longer in the model: {_few(removed)}")
     if added := [fqn for fqn in current_units if fqn not in saved_units]:
-        changes.append(f"new units: {', '.join(added[:3])}{' ...' if len(added) > 3 else ''}")
+        changes.append(f"new units: {_few(added)}")
     if reshaped := [fqn for fqn in current_units if fqn in saved_units and _plain(saved_units[fqn]) != _plain(current_units[fqn])]:
-        changes.append(f"parameters of {', '.join(reshaped[:3])}{' ...' if len(reshaped) > 3 else ''} changed shape or dtype")
+        changes.append(f"parameters of {_few(reshaped)} changed shape or dtype")
     return "; ".join(changes) or None
+
+
+def _few(names: list[str]) -> str:
+    """The first three names, and `` ...`` if there are more: a change stays one short line."""
+    return ", ".join(names[:3]) + (" ..." if len(names) > 3 else "")
 
 
 def _plain(value: Any) -> Any:

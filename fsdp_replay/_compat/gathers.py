@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from fsdp_replay._compat import public
 from fsdp_replay._compat.guard import INTERNALS_OK, TORCH_RELEASE, fsdp_hook_context
-from fsdp_replay._compat.state import fsdp_state
+from fsdp_replay._compat.state import fsdp_params, fsdp_state
 
 if INTERNALS_OK:
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
@@ -91,7 +91,6 @@ def reset_iter_state(root: nn.Module) -> None:
     # Autograd may already have written .grad to unsharded parameters of units that stay
     # unsharded (the root); reset_iter_state leaves it, so the next backward would add to it.
     for unit_state in state._state_ctx.all_states:
-        for group in unit_state._fsdp_param_groups:
-            for fsdp_param in group.fsdp_params:
-                if (unsharded := getattr(fsdp_param, "_unsharded_param", None)) is not None:
-                    unsharded.grad = None
+        for fsdp_param in fsdp_params(unit_state):
+            if (unsharded := getattr(fsdp_param, "_unsharded_param", None)) is not None:
+                unsharded.grad = None

@@ -42,23 +42,27 @@ def has_params(state: Any) -> bool:
     return any(True for _ in public.managed_params(state))
 
 
+def fsdp_params(state: Any) -> Iterator[Any]:
+    """FSDP2's record (``FSDPParam``) of each of the unit's own parameters, group by group."""
+    for group in state._fsdp_param_groups:
+        yield from group.fsdp_params
+
+
 def unsharded_bytes(state: Any) -> int:
     """Bytes of the unit's own parameters once all-gathered, in the dtype they are gathered in."""
     if not INTERNALS_OK:  # the parameters' own dtype: a mixed-precision policy is not public
         return sum(p.numel() * p.element_size() for p in public.managed_params(state))
-    total = 0
-    for group in state._fsdp_param_groups:
-        for fsdp_param in group.fsdp_params:
-            dtype = getattr(fsdp_param, "param_dtype", None) or fsdp_param.sharded_param.dtype
-            total += fsdp_param._orig_size.numel() * dtype.itemsize
-    return total
+    return sum(
+        fp._orig_size.numel() * (getattr(fp, "param_dtype", None) or fp.sharded_param.dtype).itemsize
+        for fp in fsdp_params(state)
+    )
 
 
 def sharded_params(state: Any) -> list[Any]:
     """The unit's own parameters as FSDP2 holds them between uses: DTensors with the full shape."""
     if not INTERNALS_OK:
         return list(public.managed_params(state))
-    return [fsdp_param.sharded_param for group in state._fsdp_param_groups for fsdp_param in group.fsdp_params]
+    return [fsdp_param.sharded_param for fsdp_param in fsdp_params(state)]
 
 
 def is_root_initialized_as_child(state: Any) -> bool:
