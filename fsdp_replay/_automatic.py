@@ -12,6 +12,8 @@ import logging
 
 import torch
 
+from fsdp_replay.stats import MissReason, Why
+
 logger = logging.getLogger("fsdp_replay")
 
 AUTO_KEY_GRAD = "auto:grad"
@@ -34,6 +36,11 @@ class AutomaticScopes:
     @property
     def on(self) -> bool:
         return self.off_reason is None
+
+    def why_no_scope(self) -> Why:
+        """Why a demand outside ``iteration()`` found no scope open."""
+        why = f"automatic scopes are off: {self.off_reason}" if self.off_reason else "no iteration() was open"
+        return Why(MissReason.no_scope, why)
 
     def turn_off(self, reason: str) -> None:
         self.off_reason = reason

@@ -18,6 +18,7 @@ from torch.utils.hooks import RemovableHandle
 from fsdp_replay import _compat
 from fsdp_replay._order import Phase
 from fsdp_replay._units import Unit
+from fsdp_replay.waits import DemandWaits
 
 # [Note: hook order and the end of backward]
 # A demand must reach the scheduler before FSDP2 acts on it, a scope must open before its first
@@ -98,6 +99,7 @@ class HookSet:
         self._handles.clear()
         for ref in self._intercepted_states:
             if (state := ref()) is not None:
+                _compat.stop_timing_waits(state)  # first: it wraps the interception of unshard
                 _compat.stop_reporting_pre_backward(state)
                 _compat.stop_intercepting_group_calls(state)
                 _compat.stop_intercepting_backward_end(state)
@@ -128,6 +130,13 @@ class HookSet:
                 module.register_forward_hook(functools.partial(self._on_forward_output, unit), prepend=True)
             )
         return intercepted
+
+    def time_waits(self, unit: Unit, waits: DemandWaits) -> bool:
+        """Time each of ``unit``'s uses that blocks on its parameters (``measure_waits``); call after
+        :meth:`register_unit`. False without FSDP2's internals."""
+        return _compat.time_waits(
+            unit.state, functools.partial(waits.waited, unit), functools.partial(waits.waited_on_device, unit)
+        )
 
     def register_root(self, root: nn.Module) -> None:
         """Register last, so scopes open before demands (see [Note: hook order and the end of backward])."""

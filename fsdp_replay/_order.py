@@ -292,6 +292,10 @@ class Cursor:
     def end_backward(self) -> None:
         self.segment += 1
 
+    def waits_for_backward_end(self) -> bool:
+        """The position heads into the next segment, whose lookahead waits for :meth:`end_backward`."""
+        return self._lookahead[self.position].segment > self.segment
+
     def lookahead(self) -> Lookahead:
         """What a refill may provide for now, not yet demanded (see :meth:`ExecutionOrder.lookahead`).
 

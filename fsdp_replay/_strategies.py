@@ -19,7 +19,7 @@ from fsdp_replay._compat import Standing
 from fsdp_replay._order import Cursor, Depth, Phase, Recording
 from fsdp_replay._units import Unit
 from fsdp_replay._window import Held, PrefetchWindow
-from fsdp_replay.stats import Demand
+from fsdp_replay.stats import Demand, MissReason, Why
 
 CountPrefetch = Callable[[], None]
 """Counts one prefetch issued under the scope's key (the scheduler's stats may be replaced)."""
@@ -40,6 +40,9 @@ class ScopeMode(enum.Enum):
 
 class Strategy(Protocol):
     mode: ScopeMode
+    gathers_misses: bool
+    """Whether the scheduler issues a missed unit's gather at its demand, before :meth:`on_demand`
+    provides for what comes next, so that it is not queued behind those prefetches."""
 
     def on_demand(self, unit: Unit, phase: Phase, demand: Demand) -> str | None:
         """Act on a demand the scheduler has classified; returns why it left the order, if it did."""
@@ -50,9 +53,12 @@ class Strategy(Protocol):
     def provide(self) -> None:
         """Provide for what comes next: at an explicit scope's start and after each of its backwards."""
 
+    def why_missed(self, unit: Unit, phase: Phase) -> Why:
+        """Why this demand, about to be handed to :meth:`on_demand`, found its unit not provided for."""
+
 
 def gather_at_demand(unit: Unit, phase: Phase) -> None:
-    """Issue a missed unit's gather before any prefetch, so it is not queued behind them."""
+    """Issue a missed unit's gather now, before any prefetch (see ``Strategy.gathers_misses``)."""
     if _compat.may_gather(state := unit.state):
         with _compat.trace("fsdp_replay::gather_at_demand", unit.fqn):
             _compat.issue_unshard(state, backward=not phase.in_forward)
@@ -62,6 +68,7 @@ class DemandOnly:
     """No prefetch: every unit is gathered at its point of use, by FSDP2."""
 
     mode = ScopeMode.demand
+    gathers_misses = False
 
     def on_demand(self, unit: Unit, phase: Phase, demand: Demand) -> None:
         pass
@@ -72,9 +79,20 @@ class DemandOnly:
     def provide(self) -> None:
         pass
 
+    def why_missed(self, unit: Unit, phase: Phase) -> Why:
+        return _DEMAND_MODE  # a scope that fell back to demand-only knows why itself
+
 
 DEMAND_ONLY = DemandOnly()
 """Stateless, so one instance serves every scope."""
+
+_DEMAND_MODE = Why(MissReason.demand_mode)
+_RECORDING = Why(MissReason.recording)
+OFF_ORDER = Why(MissReason.after_divergence, "this demand left the recorded order")
+"""A replay's miss off its order: the scheduler learns from :meth:`Replay.on_demand` whether it
+diverged there or realigned (the prefix rule) and says which."""
+_BYTE_CAP = Why(MissReason.byte_cap, "max_prefetch_bytes would be exceeded")
+_DECLINED = Why(MissReason.declined, "a gradient reduction was pending, or FSDP2 does not unshard in backward")
 
 
 class Record:
@@ -84,6 +102,7 @@ class Record:
     """
 
     mode = ScopeMode.record
+    gathers_misses = False
 
     def __init__(self, units: int) -> None:
         self.recording = Recording(units)
@@ -97,6 +116,9 @@ class Record:
 
     def provide(self) -> None:
         pass
+
+    def why_missed(self, unit: Unit, phase: Phase) -> Why:
+        return _RECORDING
 
 
 class Replay:
@@ -115,6 +137,7 @@ class Replay:
     """
 
     mode = ScopeMode.replay
+    gathers_misses = True
 
     def __init__(
         self, cursor: Cursor, window: PrefetchWindow, count_prefetch: CountPrefetch, *, may_skip_prefix: bool = False
@@ -127,6 +150,8 @@ class Replay:
         """The scope's demands so far, on a first replay only (the prefix rule)."""
         self._start = 0
         """Where in the recorded order the suffix being followed starts."""
+        self._stop: tuple[object, Why] | None = None
+        """Where the latest refill stopped short and why: ``(entry, why)``."""
         if may_skip_prefix and cursor.order.likely_start:
             self._follow(cursor.order.likely_start, position=0)
 
@@ -145,8 +170,6 @@ class Replay:
                 f"{expected.describe() if expected is not None else 'the end of the recorded order'}, "
                 f"got ({unit.fqn!r}, {phase.value!r})"
             )
-        if demand is Demand.miss:
-            gather_at_demand(unit, phase)
         self.cursor.advance()
         self.provide(demanded=unit)
         return None
@@ -175,6 +198,23 @@ class Replay:
     def end_backward(self) -> None:
         self.cursor.end_backward()
 
+    def why_missed(self, unit: Unit, phase: Phase) -> Why:
+        """The latest refill ran at this very position (after the previous demand, or at the end
+        of a backward), so it either stopped short of this entry, or never looked at it."""
+        cursor = self.cursor
+        entry = cursor.expected
+        if entry is None or not entry.matches(unit, phase):
+            return OFF_ORDER
+        if self._stop is not None and self._stop[0] is entry:
+            return self._stop[1]
+        if not entry.needs_gather:
+            return Why(MissReason.resident_when_recorded, "its order was recorded while someone else held it unsharded")
+        if cursor.waits_for_backward_end():
+            return Why(MissReason.backward_end, "it came before FSDP2 finalized the backward before it")
+        if cursor.depth.of(phase) == 0:
+            return Why(MissReason.depth, f"{'forward' if phase.in_forward else 'backward'}_prefetch=0")
+        return Why(MissReason.dropped, "provided for, then undone before its demand")
+
     def unfinished(self) -> str | None:
         """Why a scope ending now left its order: some recorded demands never came."""
         if self.cursor.done or self._realign(at_end=True):
@@ -197,6 +237,7 @@ class Replay:
         ahead = self.cursor.lookahead()
         window = self._window
         gathers = 0
+        self._stop = None
         for entry in ahead.entries:
             unit = entry.unit
             held = window.holds(unit)
@@ -208,15 +249,22 @@ class Replay:
             if standing is Standing.provided:
                 continue  # resident or gathering already (accumulation settings, a user's unshard)
             in_use = standing is Standing.in_use
-            if (not in_use and gathers >= ahead.gathers) or not window.fits(unit):
-                return  # the next demand frees a slot or room
+            if not in_use and gathers >= ahead.gathers:
+                self._stop = (entry, Why(MissReason.depth, f"{gathers} gathers already in flight"))
+                return  # the next demand frees a slot
+            if not window.fits(unit):
+                self._stop = (entry, _BYTE_CAP)
+                return  # the next demand frees room
             if in_use:
-                if not window.may_keep(unit):
-                    return  # cannot keep it (no FSDP2 internals, or stale values): nothing later may jump the queue
+                if (why_not := window.why_not_kept(unit)) is not None:
+                    self._stop = (entry, why_not)
+                    return  # nothing later may jump the queue
                 window.keep(unit)
             elif window.prefetch(unit, state, backward=not entry.phase.in_forward):
                 gathers += 1
                 self._count_prefetch()
+            else:
+                self._stop = (entry, _DECLINED)
 
 
 class Static:
@@ -228,6 +276,7 @@ class Static:
     """
 
     mode = ScopeMode.static
+    gathers_misses = True
 
     def __init__(
         self, successors: StaticSuccessors, depth: Depth, window: PrefetchWindow, count_prefetch: CountPrefetch
@@ -236,19 +285,25 @@ class Static:
         self._depth = depth
         self._window = window
         self._count_prefetch = count_prefetch
+        self._guessed: list[Unit] = []
+        """The successors the previous demand guessed."""
+        self._stop: tuple[list[Unit], Why] | None = None
+        """The guesses it did not prefetch, and why."""
 
     def on_demand(self, unit: Unit, phase: Phase, demand: Demand) -> None:
-        if demand is Demand.miss:
-            gather_at_demand(unit, phase)
         depth = self._depth.of(phase)
         window = self._window
-        for successor in self._successors[phase.in_forward][unit][:depth]:
+        self._guessed = guessed = self._successors[phase.in_forward][unit][:depth]
+        self._stop = None
+        for i, successor in enumerate(guessed):
             if len(window) >= depth:
+                self._stop = (guessed[i:], Why(MissReason.depth, f"{len(window)} earlier guesses still held"))
                 return
             state = successor.state
             if not _compat.is_sharded_idle(state):
                 continue
             if not window.fits(successor):
+                self._stop = (guessed[i:], _BYTE_CAP)
                 return
             if window.prefetch(successor, state, backward=not phase.in_forward):
                 self._count_prefetch()
@@ -258,6 +313,15 @@ class Static:
 
     def provide(self) -> None:
         pass  # each demand guesses afresh: nothing is provided for ahead of the first
+
+    def why_missed(self, unit: Unit, phase: Phase) -> Why:
+        if self._stop is not None and unit in self._stop[0]:
+            return self._stop[1]
+        if self._depth.of(phase) == 0:
+            return Why(MissReason.depth, f"{'forward' if phase.in_forward else 'backward'}_prefetch=0")
+        if unit in self._guessed:  # not prefetched: FSDP2 still held it unsharded then, and resharded it since
+            return Why(MissReason.static_guess, "guessed while still unsharded from its previous use")
+        return Why(MissReason.static_guess, "not among the module-tree successors of the previous demand")
 
 
 StaticSuccessors = dict[bool, dict[Unit, list[Unit]]]

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
+
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fsdp_replay.stats import Count
 
@@ -29,3 +31,29 @@ def prefetch_counter(scheduler: Any, key: str) -> Callable[[], None]:
             live.stats.count(key, Count.prefetches)
 
     return count
+
+
+class OptimizerSteps:
+    """Calls ``on_step()`` before each ``optimizer.step()`` of an optimizer that holds one of ``params``.
+
+    The hook is global (torch has no per-module one), so it holds the scheduler weakly
+    (:func:`weakly`) and is removed when this object is collected or :meth:`remove` is called.
+    """
+
+    def __init__(self, params: Iterable[Any], on_step: Callable[[], None]) -> None:
+        self._param_ids = {id(p) for p in params}
+        self._concerned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        """Optimizer -> whether it steps any of the parameters (asked once per optimizer)."""
+        self._on_step = weakref.WeakMethod(on_step)
+        self._hook = register_optimizer_step_pre_hook(weakly(self._step))
+        weakref.finalize(self, self._hook.remove)
+
+    def _step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if optimizer not in self._concerned:
+            params = (p for group in optimizer.param_groups for p in group["params"])
+            self._concerned[optimizer] = any(id(p) in self._param_ids for p in params)
+        if self._concerned[optimizer] and (on_step := self._on_step()) is not None:
+            on_step()
+
+    def remove(self) -> None:
+        self._hook.remove()

@@ -6,7 +6,9 @@ import enum
 from typing import Any
 
 from fsdp_replay import _compat
+from fsdp_replay._timeline import Event, Timeline
 from fsdp_replay._units import Unit
+from fsdp_replay.stats import MissReason, Why
 
 
 class Held(enum.Enum):
@@ -16,6 +18,10 @@ class Held(enum.Enum):
     """Its all-gather was issued ahead of the demand."""
     kept = "kept"
     """It is in use now and FSDP2's reshard at the end of that use is skipped."""
+
+
+_NO_KEEPS = Why(MissReason.public_fallback, "without FSDP2's internals its reshards cannot be skipped, so a unit in use is not kept")
+_STALE = Why(MissReason.cannot_keep, "its unsharded values predate the last optimizer step")
 
 
 class PrefetchWindow:
@@ -46,6 +52,8 @@ class PrefetchWindow:
         """Units all-gathered since the last optimizer step: only their unsharded values are current.
         A unit left unsharded across a step is stale, and plain FSDP2 renews it at its next reshard
         and gather, so only these are ever kept."""
+        self.timeline = Timeline()
+        """The open scope's timeline (the scheduler sets it): each gather issued and keep is appended."""
 
     def __len__(self) -> int:
         return len(self._prefetched) + len(self._kept)
@@ -84,16 +92,20 @@ class PrefetchWindow:
             return False
         self._prefetched[unit] = None
         self._bytes_ahead += unit.unsharded_bytes
+        self.timeline.append((Event.provided, unit, Held.prefetched))
         return True
 
-    def may_keep(self, unit: Unit) -> bool:
-        """Whether the in-use ``unit`` may be kept for its next use rather than resharded."""
-        return self.can_keep and unit in self._gathered
+    def why_not_kept(self, unit: Unit) -> Why | None:
+        """Why the in-use ``unit`` may not be kept for its next use rather than resharded; None if it may."""
+        if not self.can_keep:
+            return _NO_KEEPS
+        return None if unit in self._gathered else _STALE
 
     def keep(self, unit: Unit) -> None:
         """Hold the in-use ``unit``: FSDP2's reshards of it are skipped until its next demand."""
         self._kept[unit] = False
         self._bytes_ahead += unit.unsharded_bytes
+        self.timeline.append((Event.provided, unit, Held.kept))
 
     def skips_reshard(self, unit: Unit) -> bool | None:
         """FSDP2 is about to reshard ``unit`` after a use: None to let it, else whether this is the
@@ -104,16 +116,16 @@ class PrefetchWindow:
         self._kept[unit] = True
         return not skipped
 
-    def demanded(self, unit: Unit, *, missed: bool) -> bool:
+    def demanded(self, unit: Unit, *, missed: bool) -> Held | None:
         """``unit``'s demand came (``missed``: FSDP2 must gather it now): it leaves the window.
 
-        Returns whether the window held it although its gather is missing: FSDP2 dropped the
-        prefetch (e.g. when it finalizes a backward), or a reset did.
+        Returns how the window held it. Held although ``missed``: FSDP2 dropped the prefetch
+        (when it finalizes a backward).
         """
         held = self.take(unit)
         if missed or held is Held.prefetched:
             self._gathered.add(unit)  # not a gather someone else left pending: that may predate a step
-        return missed and held is not None
+        return held
 
     def gathered_by_other(self, unit: Unit) -> None:
         """Someone else all-gathers ``unit`` now (a pipeline's UNSHARD action): its values are current."""
@@ -140,8 +152,8 @@ class PrefetchWindow:
         self._bytes_ahead -= unit.unsharded_bytes
         return held
 
-    def release_all(self) -> int:
-        """Free every unused prefetch and keep; returns how many were wasted.
+    def release_all(self, why: str) -> int:
+        """Free every unused prefetch and keep, noting ``why`` in the timeline; returns how many were wasted.
 
         A gather left pending past the scope would make the next unshard a no-op, and a unit left
         unsharded would keep its old values: either way it would run on stale weights after
@@ -149,6 +161,8 @@ class PrefetchWindow:
         the unit at the end of its current use, as it would have anyway.
         """
         wasted = len(self)
+        self.timeline += [(Event.released, unit, Held.prefetched, why) for unit in self._prefetched]
+        self.timeline += [(Event.released, unit, Held.kept, why) for unit in self._kept]
         for unit in self._prefetched:
             state = unit.state_or_none()
             if state is not None and _compat.is_pending(state):

@@ -93,6 +93,10 @@ class PrefetchConfig:
     so that an unknown value is reported with the valid ones (see :meth:`DivergencePolicy.parse`).
     """
 
+    measure_waits: bool = False
+    """Time how long each demand blocks on its parameters, for ``explain()`` (CPU: the wall clock;
+    CUDA: timing events, read when a report is built, never synchronized per demand)."""
+
     def __post_init__(self) -> None:
         self.mode = PrefetchMode.parse(self.mode)
         require_at_least(0, self, "forward_prefetch", "backward_prefetch", why="0 disables it")
@@ -102,6 +106,7 @@ class PrefetchConfig:
                 "PrefetchConfig.max_prefetch_bytes must be a positive integer number of bytes "
                 f"or None (no cap), got {cap!r}"
             )
-        if not isinstance(self.check_ranks, bool):
-            raise ValueError(f"PrefetchConfig.check_ranks must be true or false, got {self.check_ranks!r}")
+        for name in ("check_ranks", "measure_waits"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"PrefetchConfig.{name} must be true or false, got {getattr(self, name)!r}")
         self.on_divergence = DivergencePolicy.parse(self.on_divergence)

@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import weakref
-from dataclasses import dataclass
+import time
 from typing import Any, Iterator, Sequence
 
-import torch
 import torch.nn as nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fsdp_replay import _checkpoint, _compat
 from fsdp_replay._automatic import AUTO_KEYS, AutomaticScopes, automatic_key
@@ -25,31 +22,22 @@ from fsdp_replay._hooks import HookSet
 from fsdp_replay._order import Cursor, Depth, Phase, RecordedOrders
 from fsdp_replay._ranks import RankMismatchError, check_across_ranks
 from fsdp_replay._roots import Roots
-from fsdp_replay._strategies import DEMAND_ONLY, Record, Replay, ScopeMode, Static, Strategy, static_successors
+from fsdp_replay._scope import OFF_ORDER, Scope
+from fsdp_replay._strategies import DEMAND_ONLY, Record, Replay, ScopeMode, Static, Strategy, gather_at_demand, static_successors
+from fsdp_replay._timeline import FinishedScope, Timeline
 from fsdp_replay._units import Unit
-from fsdp_replay._weak import prefetch_counter, weakly
+from fsdp_replay._weak import OptimizerSteps, prefetch_counter
 from fsdp_replay._window import Held, PrefetchWindow
 from fsdp_replay.config import DivergencePolicy, PrefetchConfig, PrefetchMode
-from fsdp_replay.stats import Count, Demand, PrefetchStats
+from fsdp_replay.explain import ExplainReport, build_report
+from fsdp_replay.stats import Count, Demand, MissReason, PrefetchStats, Why
+from fsdp_replay.waits import DemandWaits
 
 logger = logging.getLogger("fsdp_replay")
 
 
 class PrefetchDivergenceError(RuntimeError):
     """A replayed scope left its recorded order while ``on_divergence="raise"``."""
-
-
-@dataclass(eq=False)
-class _Scope:
-    """One iteration (one optimizer step's forwards and backwards), and what it does with its demands."""
-
-    key: str
-    explicit: bool
-    """Opened by ``iteration()``; an automatic scope spans one root forward and its backward."""
-    strategy: Strategy
-    """Decides what to provide for after each demand; its ``mode`` is the scope's mode."""
-    backward_started: bool = False
-    """Automatic scopes: a scope still open at the next root forward failed if its backward began."""
 
 
 class PrefetchScheduler:
@@ -65,20 +53,23 @@ class PrefetchScheduler:
             raise ValueError(f"attach(): no fully_shard unit with parameters under {names}")
         self._static_successors = static_successors(self.units)
         self._orders = RecordedOrders()
-        self._scope: _Scope | None = None
+        self._scope: Scope | None = None
         self._depth = Depth(config.forward_prefetch, config.backward_prefetch)
-        self._param_ids = {id(p) for root in roots for p in root.parameters()}
-        self._optimizers_seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._warned_step_in_scope = False
         self._automatic = AutomaticScopes(len(roots))
         self._saved_prefetch = {unit: _compat.disable_own_prefetch(unit.state) for unit in self.units}
         self._hooks = HookSet(self)
         can_keep = all([self._hooks.register_unit(unit) for unit in self.units])
         self._window = PrefetchWindow(max_bytes=config.max_prefetch_bytes, can_keep=can_keep)
+        self._finished: dict[str, FinishedScope] = {}
+        """The last finished scope of each key, for ``explain()``."""
+        self._waits = DemandWaits(on_host=_compat.device(self.units[0].state).type == "cpu") if config.measure_waits else None
+        if self._waits is not None and not all([self._hooks.time_waits(unit, self._waits) for unit in self.units]):
+            self._waits = None
+            logger.warning("fsdp_replay: measure_waits needs FSDP2's internals, which are not used on this torch; waits are not measured")
         for root in roots:
             self._hooks.register_root(root)
-        self._optimizer_hook = register_optimizer_step_pre_hook(weakly(self._on_optimizer_step))
-        weakref.finalize(self, self._optimizer_hook.remove)
+        self._optimizer_steps = OptimizerSteps((p for root in roots for p in root.parameters()), self._on_optimizer_step)
         self.attached = True
 
     # --- public API -----------------------------------------------------------------------------
@@ -142,6 +133,22 @@ class PrefetchScheduler:
         order = self._orders.get(key)
         return order.as_list() if order is not None else None
 
+    def explain(self, key: str = "train") -> ExplainReport:
+        """What the last finished scope of ``key`` did with each demand, and why any gather was exposed.
+
+        ``report.rows`` has one row per demand (how it was served; for a miss, the reason; the
+        wait when ``measure_waits`` is on); ``print(report)`` shows a compact table and
+        ``report.plot(path)`` a timeline picture. README.md "Why was this gather exposed?".
+
+        Raises:
+            ValueError: no scope of ``key`` has finished yet (the message lists the keys that have).
+        """
+        finished = self._finished.get(key)
+        if finished is None:
+            known = ", ".join(repr(k) for k in self._finished) or "none yet"
+            raise ValueError(f"explain({key!r}): no scope of that key has finished; keys with a finished scope: {known}")
+        return build_report(finished)
+
     def invalidate(self, key: str | None = None) -> None:
         """Drop recorded orders; the next scope of such a key records again.
 
@@ -155,7 +162,7 @@ class PrefetchScheduler:
             self._orders.drop(k, reason="invalidate() was called")
         scope = self._scope
         if scope is not None and scope.strategy.mode is ScopeMode.replay and scope.key not in self._orders:
-            self._go_demand_only(scope)
+            self._go_demand_only(scope, Why(MissReason.invalidated, "invalidate() dropped the order it replayed"))
 
     def reset_stats(self) -> None:
         self.stats = PrefetchStats()
@@ -205,9 +212,9 @@ class PrefetchScheduler:
             raise RuntimeError(f"detach() called inside iteration(key={self._scope.key!r}); leave the iteration() block first")
         if self._scope is not None:
             self._end_scope(self._scope, failure="the scheduler was detached mid-iteration")
-        self._window.release_all()
+        self._window.release_all("detach()")
         self._hooks.remove()
-        self._optimizer_hook.remove()
+        self._optimizer_steps.remove()
         for unit, (saved, installed) in self._saved_prefetch.items():
             if (state := unit.state_or_none()) is not None:
                 _compat.restore_own_prefetch(state, saved, installed)
@@ -263,13 +270,39 @@ class PrefetchScheduler:
         key = scope.key if scope is not None else None
         demand = _compat.classify_demand(unit.state)
         self.stats.count_demand(key, demand)
-        if self._window.demanded(unit, missed=demand is Demand.miss):
-            self.stats.count(key, Count.dropped)
-        if scope is None or scope.strategy.mode is ScopeMode.demand:
+        held = self._window.demanded(unit, missed=demand is Demand.miss)
+        why = None
+        if demand is Demand.miss:
+            why = scope.why_missed(unit, phase, held) if scope is not None else self._automatic.why_no_scope()
+            if held is not None:
+                self.stats.count(key, Count.dropped)
+        if scope is None:
+            self.stats.miss_reasons[why.reason] += why is not None
             return
-        scope.backward_started |= phase is Phase.backward
-        if (divergence := scope.strategy.on_demand(unit, phase, demand)) is not None:
+        position = scope.demanded(unit, phase, demand, held, why)
+        if self._waits is not None:
+            self._waits.demanded(unit, position)
+        if why is not None and scope.strategy.gathers_misses:
+            self._gather_missed(unit, phase)
+        divergence = None
+        if scope.strategy.mode is not ScopeMode.demand:
+            scope.backward_started |= phase is Phase.backward
+            divergence = scope.strategy.on_demand(unit, phase, demand)
+        if why is not None:
+            if why is OFF_ORDER:  # the strategy said which: it diverged here, or realigned (the prefix rule)
+                why = scope.off_order(divergence)
+            self.stats.miss_reasons[why.reason] += 1
+        if divergence is not None:
             self._diverge(scope, f"iteration {scope.key!r} {divergence}")
+
+    def _gather_missed(self, unit: Unit, phase: Phase) -> None:
+        """Issue a missed unit's gather at its demand; with ``measure_waits`` the issue counts as its wait."""
+        if self._waits is None:
+            gather_at_demand(unit, phase)
+            return
+        start = time.perf_counter()
+        gather_at_demand(unit, phase)
+        self._waits.issued(unit, time.perf_counter() - start)
 
     def on_lifecycle_reshard(self, unit: Unit) -> bool:
         """FSDP2 is about to reshard ``unit`` after a use; True skips it (the unit is kept)."""
@@ -286,24 +319,22 @@ class PrefetchScheduler:
         FSDP2's ``reshard()`` leaves a pending gather pending; after theirs, plain FSDP2 would have
         none, so the scheduler's own prefetch is finished and freed first.
         """
-        if call == "reshard" and self._scope is not None and isinstance(self._scope.strategy, Record):
-            self._scope.strategy.recording.resharded_by_other(unit)
+        scope = self._scope
+        if call == "reshard" and scope is not None and isinstance(scope.strategy, Record):
+            scope.strategy.recording.resharded_by_other(unit)
         elif call == "unshard" and _compat.is_sharded_idle(unit.state):
             self._window.gathered_by_other(unit)  # the gather starts now, after any optimizer step
         held = self._window.take(unit)
+        if scope is not None:
+            scope.other_party(unit, call, held)
         if held is None:
             return
         if held is Held.prefetched and call == "reshard":
             _compat.release(unit.state)
-        self.stats.count(self._scope.key if self._scope is not None else None, Count.dropped)
+        self.stats.count(scope.key if scope is not None else None, Count.dropped)
 
-    def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """The global optimizer hook: a step is about to run; only steps of the root's parameters count."""
-        if optimizer not in self._optimizers_seen:
-            params = (p for group in optimizer.param_groups for p in group["params"])
-            self._optimizers_seen[optimizer] = any(id(p) in self._param_ids for p in params)
-        if not self._optimizers_seen[optimizer]:
-            return
+    def _on_optimizer_step(self) -> None:
+        """A step of the roots' parameters is about to run."""
         self._window.step_taken()
         scope = self._scope
         if scope is None:
@@ -317,13 +348,16 @@ class PrefetchScheduler:
                     "fsdp_replay: optimizer.step() inside iteration(key=%r) released %d pending prefetches "
                     "(they would run on stale weights); call step() after the iteration() block", scope.key, len(self._window)
                 )
-            self.stats.count(scope.key, Count.wasted, self._window.release_all())
+            self.stats.count(scope.key, Count.wasted, self._window.release_all("optimizer.step() inside iteration()"))
 
     # --- scopes ----------------------------------------------------------------------------------
 
-    def _begin_scope(self, key: str, *, explicit: bool, rerecord: bool = False) -> _Scope:
-        scope = _Scope(key=key, explicit=explicit, strategy=self._strategy_for(key, rerecord=rerecord))
+    def _begin_scope(self, key: str, *, explicit: bool, rerecord: bool = False) -> Scope:
+        scope = Scope(key=key, explicit=explicit, strategy=self._strategy_for(key, rerecord=rerecord))
         self._scope = scope
+        self._window.timeline = scope.timeline
+        if self._waits is not None:
+            self._waits.take()  # what blocked outside any scope is nobody's demand
         if scope.strategy.mode is not ScopeMode.demand:
             # This scope may gather before FSDP2's root pre-forward (first step, or a resumed run).
             self._roots.lazy_init()
@@ -352,16 +386,17 @@ class PrefetchScheduler:
         may_skip_prefix = self._orders.first_replay(key)
         return Replay(Cursor(order, depth=self._depth), self._window, count_prefetch, may_skip_prefix=may_skip_prefix)
 
-    def _close_auto_scope(self, scope: _Scope) -> None:
+    def _close_auto_scope(self, scope: Scope) -> None:
         """An automatic scope still open at the next root forward or optimizer step."""
         if scope.backward_started:
             self._end_scope(scope, failure="its backward did not finish")
         else:
             self._end_scope(scope)  # a forward with no backward after it
 
-    def _end_scope(self, scope: _Scope, *, failure: str | None = None) -> None:
+    def _end_scope(self, scope: Scope, *, failure: str | None = None) -> None:
         self._scope = None
-        self.stats.count(scope.key, Count.wasted, self._window.release_all())
+        self.stats.count(scope.key, Count.wasted, self._window.release_all("the scope ended before its demand"))
+        self._finish(scope, f"failed: {failure}" if failure is not None else None)
         if failure is not None:
             self._orders.drop(scope.key, reason=failure)
             return
@@ -377,9 +412,15 @@ class PrefetchScheduler:
             elif strategy.skipped_prefix:
                 self._orders.trim(scope.key, strategy.cursor.order)
 
-    def _diverge(self, scope: _Scope, detail: str) -> None:
+    def _finish(self, scope: Scope, outcome: str | None) -> None:
+        """Keep the scope for ``explain()``; the window's events go to a throwaway timeline until the next."""
+        self._finished[scope.key] = scope.finished(outcome, self._waits.take() if self._waits is not None else None)
+        self._window.timeline = Timeline()
+
+    def _diverge(self, scope: Scope, detail: str) -> None:
         self.stats.count(scope.key, Count.divergences)
-        self._go_demand_only(scope)
+        scope.outcome = f"diverged: {detail}"
+        self._go_demand_only(scope, Why(MissReason.after_divergence, detail))
         self._orders.drop(scope.key, reason=detail)
         if self.config.on_divergence is DivergencePolicy.raise_:
             raise PrefetchDivergenceError(f"fsdp_replay: {detail} (on_divergence='raise')")
@@ -389,12 +430,13 @@ class PrefetchScheduler:
         scope = self._scope
         if scope is not None and not scope.explicit:
             self._scope = None
-            self.stats.count(scope.key, Count.wasted, self._window.release_all())
+            self.stats.count(scope.key, Count.wasted, self._window.release_all(f"automatic scopes stopped: {reason}"))
+            self._finish(scope, f"stopped: {reason}")
         for key in AUTO_KEYS:
             self._orders.discard_unchecked(key)
         self._automatic.turn_off(reason)
 
-    def _go_demand_only(self, scope: _Scope) -> None:
-        scope.strategy = DEMAND_ONLY
-        self.stats.count(scope.key, Count.wasted, self._window.release_all())
+    def _go_demand_only(self, scope: Scope, why: Why) -> None:
+        scope.fall_back(why)
+        self.stats.count(scope.key, Count.wasted, self._window.release_all(str(why)))
 

@@ -1,13 +1,16 @@
 """Prefetch counters, cumulative over a scheduler's life, with a per-scope-key breakdown.
 
-Also the vocabulary that stats, the scheduler, the observer (``fsdp_replay.testing``) and
-messages share: :class:`Demand` names how a demand finds its unit, :class:`Count` names a counter.
+Also the vocabulary that stats, the scheduler, the observer (``fsdp_replay.testing``), reports
+and messages share: :class:`Demand` names how a demand finds its unit, :class:`Count` names a
+counter, :class:`MissReason` names why a demand found its unit neither gathered nor gathering.
 """
 
 from __future__ import annotations
 
+import collections
 import enum
 from dataclasses import dataclass, field, fields
+from typing import NamedTuple
 
 
 class Count(str, enum.Enum):
@@ -43,6 +46,58 @@ class Demand(str, enum.Enum):
     """Sharded with no gather pending: the all-gather is issued at the point of use."""
     resident = "resident", Count.resident
     """Already unsharded: no all-gather is needed."""
+
+
+class MissReason(str, enum.Enum):
+    """Why a demand had to gather at its point of use (or a gather was wasted), in the user's terms.
+
+    A member compares equal to its value, the text reports print; ``explain()`` rows add the
+    particulars (which divergence, whose call) as ``detail``.
+    """
+
+    recording = "recording scope"
+    """The key has no order yet: this scope records it, prefetching nothing."""
+    automatic_scope_start = "first demand of an automatic scope"
+    """An automatic scope opens inside the root's forward, at this very demand."""
+    after_divergence = "after a divergence"
+    """The scope left its recorded order (the detail says where) and finishes demand-only."""
+    realigned = "first replay realigned to its recording"
+    """A first replay found its demands elsewhere in the recording (the prefix rule of pipelines) and
+    follows from there on."""
+    invalidated = "order invalidated mid-scope"
+    """``invalidate()`` dropped the order this scope replayed; it finishes demand-only."""
+    depth = "prefetch depth reached"
+    """The phase's prefetch depth (``forward_prefetch``/``backward_prefetch``) kept it out of the lookahead."""
+    byte_cap = "byte cap reached"
+    """Providing for it would have exceeded ``max_prefetch_bytes``."""
+    backward_end = "no prefetch across the end of a backward"
+    """It came in the next segment before FSDP2 finalized the backward (FSDP2 drops gathers pending there)."""
+    resident_when_recorded = "resident when recorded"
+    """The order was recorded with the unit already unsharded, so replay provides nothing for it."""
+    dropped = "FSDP2 dropped or resharded a prefetched unit"
+    """What the window provided was undone before the demand; the detail says by whom."""
+    cannot_keep = "unit in use could not be kept"
+    """It was in use when the order needed it next, and its unsharded values predate an optimizer step."""
+    public_fallback = "public-API fallback"
+    """FSDP2's internals are not used here, so a unit in use cannot be kept unsharded for its next use."""
+    declined = "FSDP2 declined the gather"
+    """FSDP2 would not gather it then (a gradient reduction pending, or no unshard in backward)."""
+    static_guess = "static order guessed other units"
+    """``static`` mode: not among the module-tree successors prefetched after the previous demand."""
+    demand_mode = "demand mode"
+    """``demand`` mode prefetches nothing."""
+    no_scope = "outside any scope"
+    """No ``iteration()`` was open and no automatic scope could open."""
+
+
+class Why(NamedTuple):
+    """A :class:`MissReason` and its particulars (which divergence, whose call), if any."""
+
+    reason: MissReason
+    detail: str | None = None
+
+    def __str__(self) -> str:
+        return f"{self.reason.value}: {self.detail}" if self.detail else self.reason.value
 
 
 @dataclass
@@ -93,6 +148,8 @@ class PrefetchStats(KeyStats):
 
     per_key: dict[str, KeyStats] = field(default_factory=dict)
     """The same counters split by scope key (``"train"``, ``"auto:grad"``, ...)."""
+    miss_reasons: collections.Counter[MissReason] = field(default_factory=collections.Counter)
+    """Misses by :class:`MissReason`, every key together (``explain()`` shows them per demand)."""
 
     def count_demand(self, key: str | None, demand: Demand) -> None:
         """A demand and how it was served, in one call (this runs once per demand; see ``add``)."""

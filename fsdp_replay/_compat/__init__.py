@@ -14,6 +14,7 @@ The modules, by concern (callers use the names re-exported here, ``_compat.<name
 - ``gathers``: issuing and releasing all-gathers, FSDP2's lazy init and recovery;
 - ``intercept``: FSDP2's methods seen as they happen, with
   ``[Note: fsdp_replay never owns FSDP2's settings]``, and FSDP2's own prefetch turned off;
+- ``waits``: FSDP2's own unshard and wait of a use, timed (``measure_waits``, ``WaitMeter``);
 - ``public``: what the public-API fallback reads and holds instead of FSDP2's internals.
 """
 
@@ -32,6 +33,7 @@ from fsdp_replay._compat.intercept import (
     disable_own_prefetch,
     intercept_backward_end,
     intercept_group_calls,
+    other_party,
     queue_backward_callback,
     report_pre_backward,
     restore_own_prefetch,
@@ -63,3 +65,4 @@ from fsdp_replay._compat.state import (
     state_modules,
     unsharded_bytes,
 )
+from fsdp_replay._compat.waits import stop_timing_waits, time_waits

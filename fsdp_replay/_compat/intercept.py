@@ -6,6 +6,8 @@ param group and calls the class's method inside; ``stop_*`` removes it again (``
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any, Callable, Literal
 
 import torch
@@ -63,6 +65,21 @@ def stop_reporting_pre_backward(state: Any) -> None:
 
 OtherPartyCall = Literal["reshard", "unshard", "reset"]
 """A call on a unit's FSDP2 state made by someone other than FSDP2's lifecycle or the scheduler."""
+
+_PIPELINING = f"{os.sep}torch{os.sep}distributed{os.sep}pipelining{os.sep}"
+
+
+def other_party(call: OtherPartyCall) -> str:
+    """Whose call it is, as ``explain()`` names it: a pipeline schedule's action (found on the call
+    stack), ``reset_iter_state``, or the user's (anything else)."""
+    if call == "reset":
+        return "reset_iter_state()"
+    frame = sys._getframe(1)
+    while frame is not None:
+        if _PIPELINING in frame.f_code.co_filename:
+            return f"a pipeline schedule's {call}()"
+        frame = frame.f_back
+    return f"a user's {call}()"
 
 
 def intercept_group_calls(

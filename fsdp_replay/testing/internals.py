@@ -36,6 +36,17 @@ def gather_pending(group: Any) -> bool:
     return group._all_gather_result is not None
 
 
+def gather_running(group: Any) -> bool:
+    """An all-gather of this param group is pending and its collective has not finished yet."""
+    result = group._all_gather_result
+    if result is None:
+        return False
+    work = result.all_gather_work
+    if work is not None:
+        return not work.is_completed()
+    return result.all_gather_event is not None and not result.all_gather_event.query()
+
+
 def window(scheduler: PrefetchScheduler) -> PrefetchWindow:
     """The scheduler's prefetch window: the units it holds ahead of their use."""
     return scheduler._window

@@ -16,7 +16,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
 from fsdp_replay.stats import Demand
-from fsdp_replay.testing.internals import fsdp_state, gather_pending, param_groups
+from fsdp_replay.testing.internals import fsdp_state, gather_pending, gather_running, param_groups
 
 
 def fsdp_units(root: nn.Module) -> dict[str, Any]:
@@ -55,6 +55,9 @@ class DemandObserver:
 
     def __init__(self, root: nn.Module) -> None:
         self.log: list[tuple[str, str, Demand]] = []
+        self.must_wait: list[bool] = []
+        """Per entry of ``log``: the use had to wait for a gather (a miss, or a hit whose collective
+        had not finished when the demand came)."""
         self._handles = []
         for label, state in fsdp_units(root).items():
             for m in state._modules:
@@ -69,7 +72,7 @@ class DemandObserver:
         if state._training_state == TrainingState.FORWARD:
             return
         phase = "recompute" if torch._C._current_graph_task_id() != -1 else "forward"
-        self.log.append((label, phase, _gather_state(state)))
+        self._observe(label, phase, state)
 
     def _output(self, label: str, state: Any, owner: nn.Module, module: nn.Module, args: Any, output: Any) -> None:
         if not torch.is_grad_enabled() or state._training_state == TrainingState.PRE_BACKWARD:
@@ -81,16 +84,26 @@ class DemandObserver:
         def hook(grad: torch.Tensor) -> None:
             if not fired[0]:
                 fired[0] = True
-                self.log.append((label, "backward", _gather_state(state)))
+                self._observe(label, "backward", state)
 
         outputs = output if isinstance(output, (tuple, list)) else (output,)
         for t in outputs:
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 t.register_hook(hook)
 
+    def _observe(self, label: str, phase: str, state: Any) -> None:
+        demand = _gather_state(state)
+        self.log.append((label, phase, demand))
+        self.must_wait.append(demand is Demand.miss or any(gather_running(g) for g in param_groups(state)))
+
     def take(self) -> list[tuple[str, str, Demand]]:
-        log, self.log = self.log, []
+        log, self.log, self.must_wait = self.log, [], []
         return log
+
+    def take_with_waits(self) -> list[tuple[str, str, Demand, bool]]:
+        """Like :meth:`take`, each entry with whether the use had to wait for its gather."""
+        must_wait = self.must_wait
+        return [(*entry, wait) for entry, wait in zip(self.take(), must_wait)]
 
     @staticmethod
     def counts(log: list[tuple[str, str, Demand]]) -> dict[Demand, int]:

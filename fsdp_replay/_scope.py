@@ -1,0 +1,97 @@
+"""One iteration scope: what it does with its demands, and what it keeps for ``explain()``.
+
+The scheduler opens a scope per ``iteration()`` block (or per automatic forward and backward),
+hands each demand to it, and finishes it into a :class:`~fsdp_replay._timeline.FinishedScope`.
+Here is the per-scope bookkeeping: its strategy (what mode it runs in, and why it fell back to
+demand-only), its timeline, and why a demand of it missed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fsdp_replay import _compat
+from fsdp_replay._order import Phase
+from fsdp_replay._strategies import DEMAND_ONLY, OFF_ORDER, ScopeMode, Strategy
+from fsdp_replay._timeline import Event, FinishedScope, Timeline
+from fsdp_replay._units import Unit
+from fsdp_replay._window import Held
+from fsdp_replay.stats import Demand, MissReason, Why
+from fsdp_replay.waits import WaitLog
+
+_OPENS_SCOPE = Why(MissReason.automatic_scope_start, "it opens the scope, inside the root's forward")
+
+
+@dataclass(eq=False)
+class Scope:
+    """One iteration (one optimizer step's forwards and backwards), and what it does with its demands."""
+
+    key: str
+    explicit: bool
+    """Opened by ``iteration()``; an automatic scope spans one root forward and its backward."""
+    strategy: Strategy
+    """Decides what to provide for after each demand; its ``mode`` is the scope's mode."""
+    backward_started: bool = False
+    """Automatic scopes: a scope still open at the next root forward failed if its backward began."""
+    timeline: Timeline = field(default_factory=Timeline)
+    """Its demands and what the window did around them, for ``explain()``."""
+    demand_only: Why = Why(MissReason.demand_mode)
+    """Why the scope prefetches nothing, once it does not: demand mode, or what made it fall back."""
+    taken_over: dict[Unit, str] = field(default_factory=dict)
+    """Units another party resharded or reset since their last demand, and whose call it was."""
+    outcome: str = "completed"
+    mode: str = field(init=False)
+    """What the scope set out to do (``record``, ``replay``, ``static``, ``demand``), whatever it fell back to."""
+
+    def __post_init__(self) -> None:
+        self.mode = self.strategy.mode.value
+
+    def why_missed(self, unit: Unit, phase: Phase, held: Held | None) -> Why:
+        """Why a demand found its unit neither gathered nor gathering (call before :meth:`demanded`)."""
+        if held is not None:
+            undone = "dropped its pending gather" if held is Held.prefetched else "resharded it although it was kept"
+            return Why(MissReason.dropped, f"FSDP2 {undone} (it does so when it finalizes a backward)")
+        if (who := self.taken_over.get(unit)) is not None:
+            return Why(MissReason.dropped, who)
+        mode = self.strategy.mode
+        if mode is ScopeMode.demand:
+            return self.demand_only
+        if not self.explicit and not self.timeline.demands and mode is not ScopeMode.record:
+            return _OPENS_SCOPE
+        return self.strategy.why_missed(unit, phase)
+
+    def demanded(self, unit: Unit, phase: Phase, demand: Demand, held: Held | None, why: Why | None) -> int:
+        """Log a demand in the timeline; returns its position in the scope."""
+        if self.taken_over:
+            self.taken_over.pop(unit, None)
+        return self.timeline.demand((Event.demand, unit, phase, demand, held, why))
+
+    def other_party(self, unit: Unit, call: _compat.OtherPartyCall, held: Held | None) -> None:
+        """Someone else acted on ``unit`` (``held``: what the window had provided, now theirs)."""
+        if call == "unshard" and held is None:
+            return  # nothing undone, and nothing a later miss could be blamed on
+        who = _compat.other_party(call)
+        if call != "unshard":
+            self.taken_over[unit] = who
+        if held is not None:
+            self.timeline.append((Event.taken_over, unit, held, who))
+
+    def off_order(self, divergence: str | None) -> Why:
+        """The last demand missed off the order: it diverged there, or realigned (the prefix rule)."""
+        why = Why(MissReason.after_divergence, divergence) if divergence else Why(MissReason.realigned)
+        at = max(i for i, event in enumerate(self.timeline) if event[0] is Event.demand)
+        self.timeline[at] = (*self.timeline[at][:5], why)
+        return why
+
+    def fall_back(self, why: Why) -> None:
+        """Finish the scope demand-only (its window is released by the caller)."""
+        self.strategy = DEMAND_ONLY
+        self.demand_only = why
+
+    def finished(self, outcome: str | None, waits: WaitLog | None) -> FinishedScope:
+        if outcome is not None:
+            self.outcome = outcome
+        return FinishedScope(self.key, self.mode, self.outcome, self.timeline, waits)
+
+
+__all__ = ["OFF_ORDER", "Scope"]
