@@ -395,7 +395,8 @@ class PrefetchScheduler:
 
     def _end_scope(self, scope: Scope, *, failure: str | None = None) -> None:
         self._scope = None
-        self.stats.count(scope.key, Count.wasted, self._window.release_all("the scope ended before its demand"))
+        why = f"the scope failed: {failure}" if failure is not None else "the scope ended before its demand"
+        self.stats.count(scope.key, Count.wasted, self._window.release_all(why))
         self._finish(scope, f"failed: {failure}" if failure is not None else None)
         if failure is not None:
             self._orders.drop(scope.key, reason=failure)
