@@ -66,12 +66,14 @@ class Scope:
             self.taken_over.pop(unit, None)
         return self.timeline.demand((Event.demand, unit, phase, demand, held, why))
 
-    def other_party(self, unit: Unit, call: _compat.OtherPartyCall, held: Held | None) -> None:
-        """Someone else acted on ``unit`` (``held``: what the window had provided, now theirs)."""
-        if call == "unshard" and held is None:
-            return  # nothing undone, and nothing a later miss could be blamed on
+    def other_party(self, unit: Unit, call: _compat.OtherPartyCall, held: Held | None, *, undoes: bool) -> None:
+        """Someone else acted on ``unit``: ``held`` is what the window had provided for it, now
+        theirs; ``undoes``: a reshard or reset of the unit while it was unsharded or gathering,
+        which the unit's next miss is blamed on."""
+        if held is None and not undoes:
+            return
         who = _compat.other_party(call)
-        if call != "unshard":
+        if undoes:
             self.taken_over[unit] = who
         if held is not None:
             self.timeline.append((Event.taken_over, unit, held, who))

@@ -277,7 +277,8 @@ class PrefetchScheduler:
             if held is not None:
                 self.stats.count(key, Count.dropped)
         if scope is None:
-            self.stats.miss_reasons[why.reason] += why is not None
+            if why is not None:
+                self.stats.miss_reasons[why.reason] += 1
             return
         position = scope.demanded(unit, phase, demand, held, why)
         if self._waits is not None:
@@ -326,7 +327,8 @@ class PrefetchScheduler:
             self._window.gathered_by_other(unit)  # the gather starts now, after any optimizer step
         held = self._window.take(unit)
         if scope is not None:
-            scope.other_party(unit, call, held)
+            undoes = call != "unshard" and not _compat.is_sharded_idle(unit.state)
+            scope.other_party(unit, call, held, undoes=undoes)
         if held is None:
             return
         if held is Held.prefetched and call == "reshard":

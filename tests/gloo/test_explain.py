@@ -147,7 +147,7 @@ def _reasons(mesh) -> dict[str, dict]:
         key = "train" if explicit else "auto:grad"
         report = sched.explain(key)
         out[name] = {
-            "rows": [(r.position, r.unit, r.phase, r.served.value, r.reason, r.detail) for r in report.rows],
+            "rows": _row_tuples(report),
             "undone": [(u.unit, u.why, u.wasted) for u in report.undone],
             "miss_reasons": dict(sched.stats.miss_reasons),
             "mode": report.mode,
@@ -217,13 +217,66 @@ def _reasons(mesh) -> dict[str, dict]:
                 loss = model(model.batch(mb))
                 with contextlib.suppress(RuntimeError):
                     loss.backward()
-        report = sched.explain("train")
-        out["backward_end"] = {"rows": [(r.position, r.unit, r.phase, r.served.value, r.reason, r.detail) for r in report.rows]}
+        out["backward_end"] = {"rows": _row_tuples(sched.explain("train"))}
         sched.detach()
         model._get_fsdp_state()._reset_iter_state()
 
     run_with_failed_backward()
+
+    def run_resident() -> None:
+        model = Ordered(mesh, [0, 1, 2, 3])
+        model.layers[1].set_reshard_after_forward(False)  # while recording: resident at its backward use
+        sched = attach(model, rr)
+        _step(model, sched, 0)
+        model.layers[1].set_reshard_after_forward(True)
+        _step(model, sched, 1)
+        out["resident_when_recorded"] = {"rows": _row_tuples(sched.explain("train"))}
+        sched.detach()
+
+    run_resident()
+
+    def stale(model, sched):
+        # The user leaves layers.1 unsharded across an optimizer step: its values are stale, so the
+        # scheduler may not keep it from its first call to its second.
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        model.layers[1].unshard()
+        opt.step()
+        return []
+
+    run("stale", [0, 1, 1, 2], rr, 2, interfere=stale)
+
+    def run_realigned() -> None:
+        # As a pipeline's shape inference: every unit resharded by someone else between the first
+        # step's two microbatches makes the first replay start at the second; the first replay's
+        # own second microbatch then realigns it.
+        model = Ordered(mesh, [0, 1, 2, 3])
+        sched = attach(model, rr)
+        for step in range(2):
+            with sched.iteration("train"):
+                for mb in range(2):
+                    model(model.batch(mb)).backward()
+                    if mb == 0:
+                        for layer in model.layers:
+                            layer.reshard()
+        out["realigned"] = {"rows": _row_tuples(sched.explain("train"))}
+        sched.detach()
+
+    run_realigned()
+
+    def run_no_scope() -> None:
+        chunks = [Ordered(mesh, [0, 1, 2, 3]), Ordered(mesh, [0, 1, 2, 3])]
+        sched = attach(chunks, rr)
+        loss = chunks[1](chunks[0](chunks[0].batch(0)).reshape(1, 1).expand(4, 64))
+        loss.backward()
+        out["no_scope"] = {"miss_reasons": dict(sched.stats.miss_reasons), "misses": sched.stats.misses}
+        sched.detach()
+
+    run_no_scope()
     return out
+
+
+def _row_tuples(report) -> list[tuple]:
+    return [(r.position, r.unit, r.phase, r.served.value, r.reason, r.detail) for r in report.rows]
 
 
 @pytest.fixture(scope="module")
@@ -302,6 +355,28 @@ def test_a_demand_before_the_end_of_its_backward(reasons) -> None:
     assert rows[8][:5] == (8, "layers.0", "forward", "miss", MissReason.backward_end)
 
 
+def test_recorded_resident_then_sharded(reasons) -> None:
+    rows = reasons["resident_when_recorded"]["rows"]
+    assert rows[6][:5] == (6, "layers.1", "backward", "miss", MissReason.resident_when_recorded)
+
+
+def test_a_unit_left_unsharded_across_a_step_is_not_kept(reasons) -> None:
+    rows = reasons["stale"]["rows"]
+    assert rows[1][3] == "resident" and rows[2][:5] == (2, "layers.1", "forward", "miss", MissReason.cannot_keep)
+    assert "predate the last optimizer step" in rows[2][5]
+
+
+def test_the_first_replay_realigns_to_its_recording(reasons) -> None:
+    rows = reasons["realigned"]["rows"]
+    assert rows[8][:5] == (8, "layers.0", "forward", "miss", MissReason.realigned)
+    assert not [r for r in rows[9:] if r[3] == "miss"]
+
+
+def test_demands_outside_any_scope_are_counted(reasons) -> None:
+    entry = reasons["no_scope"]
+    assert entry["miss_reasons"] == {MissReason.no_scope: entry["misses"]} and entry["misses"] > 0
+
+
 def test_cumulative_counter(reasons) -> None:
     assert reasons["recording"]["miss_reasons"] == {MissReason.recording: 8}
     assert reasons["divergence"]["miss_reasons"][MissReason.recording] == 8
@@ -312,7 +387,7 @@ def _public_fallback(mesh) -> list[tuple]:
     sched = attach(model, PrefetchConfig())
     for step in range(2):
         _step(model, sched, step)
-    return _misses([(r.position, r.unit, r.phase, r.served.value, r.reason, r.detail) for r in sched.explain("train").rows])
+    return _misses(_row_tuples(sched.explain("train")))
 
 
 def test_public_fallback_cannot_keep_a_unit_in_use(monkeypatch: pytest.MonkeyPatch) -> None:
