@@ -68,3 +68,19 @@ def _describe_rank_mismatch(key: str, orders: list[list[tuple]]) -> str:
         )
     lines.append("Every rank must run the same units in the same order; replay would mismatch collectives.")
     return "\n".join(lines)
+
+
+def agree_on_max(values: list[int], states: Sequence[Any]) -> list[int]:
+    """The element-wise largest of ``values`` over the ranks of each distinct process group of the
+    units' ``states`` (one small all-reduce per group; the adaptive depth's agreement)."""
+    agreed = torch.tensor(values, dtype=torch.int64)
+    compared: set[int] = set()
+    for state in states:
+        group = _compat.process_group(state)
+        if id(group) in compared or group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+            continue
+        compared.add(id(group))
+        on_device = agreed.to(_compat.device(state))
+        dist.all_reduce(on_device, op=dist.ReduceOp.MAX, group=group)
+        agreed = on_device.cpu()
+    return agreed.tolist()

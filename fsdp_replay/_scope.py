@@ -8,9 +8,11 @@ demand-only), its timeline, and why a demand of it missed.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from fsdp_replay import _compat
+from fsdp_replay._adaptive import ScopeWaits, phase_waits
 from fsdp_replay._order import Phase
 from fsdp_replay._strategies import DEMAND_ONLY, OFF_ORDER, ScopeMode, Strategy
 from fsdp_replay._timeline import Event, FinishedScope, Timeline
@@ -40,6 +42,7 @@ class Scope:
     taken_over: dict[Unit, str] = field(default_factory=dict)
     """Units another party resharded or reset since their last demand, and whose call it was."""
     outcome: str = "completed"
+    started: float = field(default_factory=time.perf_counter)
     mode: str = field(init=False)
     """What the scope set out to do (``record``, ``replay``, ``static``, ``demand``), whatever it fell back to."""
 
@@ -89,6 +92,17 @@ class Scope:
         """Finish the scope demand-only (its window is released by the caller)."""
         self.strategy = DEMAND_ONLY
         self.demand_only = why
+
+    def waits_by_phase(self, waits: WaitLog | None) -> ScopeWaits | None:
+        """What an ``"auto"`` depth learns from the scope: None unless it prefetched to the end."""
+        if waits is None or self.outcome != "completed" or self.strategy.mode not in (ScopeMode.replay, ScopeMode.static):
+            return None
+        in_forward = [event[2].in_forward for event in self.timeline if event[0] is Event.demand]
+        return ScopeWaits(
+            waited_s=phase_waits([(in_forward[row], seconds) for row, seconds in waits.seconds()]),
+            scope_s=time.perf_counter() - self.started,
+            capped=tuple(self.strategy.capped),
+        )
 
     def finished(self, outcome: str | None, waits: WaitLog | None) -> FinishedScope:
         if outcome is not None:

@@ -152,6 +152,8 @@ class Replay:
         """Where in the recorded order the suffix being followed starts."""
         self._stop: tuple[object, Why] | None = None
         """Where the latest refill stopped short and why: ``(entry, why)``."""
+        self.capped = [False, False]
+        """Whether the byte cap stopped a refill heading into forward, and into backward (``"auto"`` depth)."""
         if may_skip_prefix and cursor.order.likely_start:
             self._follow(cursor.order.likely_start, position=0)
 
@@ -254,6 +256,7 @@ class Replay:
                 return  # the next demand frees a slot
             if not window.fits(unit):
                 self._stop = (entry, _BYTE_CAP)
+                self.capped[not entry.phase.in_forward] = True
                 return  # the next demand frees room
             if in_use:
                 if (why_not := window.why_not_kept(unit)) is not None:
@@ -289,6 +292,8 @@ class Static:
         """The successors the previous demand guessed."""
         self._stop: tuple[list[Unit], Why] | None = None
         """The guesses it did not prefetch, and why."""
+        self.capped = [False, False]
+        """Whether the byte cap stopped a guess in forward, and in backward (``"auto"`` depth)."""
 
     def on_demand(self, unit: Unit, phase: Phase, demand: Demand) -> None:
         depth = self._depth.of(phase)
@@ -304,6 +309,7 @@ class Static:
                 continue
             if not window.fits(successor):
                 self._stop = (guessed[i:], _BYTE_CAP)
+                self.capped[not phase.in_forward] = True
                 return
             if window.prefetch(successor, state, backward=not phase.in_forward):
                 self._count_prefetch()

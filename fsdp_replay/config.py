@@ -78,10 +78,14 @@ class PrefetchConfig:
 
     mode: PrefetchMode = PrefetchMode.record_and_replay
     """Scheduling mode; see :class:`PrefetchMode`."""
-    forward_prefetch: int = 1
-    """All-gathers in flight ahead of use while in forward; 0 disables forward prefetch (and keeps)."""
-    backward_prefetch: int = 1
-    """All-gathers in flight ahead of use while in backward (activation recompute counts as backward)."""
+    forward_prefetch: int | str = 1
+    """All-gathers in flight ahead of use while in forward; 0 disables forward prefetch (and keeps).
+
+    ``"auto"``: from 1, each scope's measured waits decide its key's next depth, agreed across
+    ranks (README.md "Adaptive depth"); waits are then measured whatever ``measure_waits`` says.
+    """
+    backward_prefetch: int | str = 1
+    """All-gathers in flight ahead of use while in backward (activation recompute counts as backward); or ``"auto"``."""
     max_prefetch_bytes: int | None = None
     """Cap on unsharded bytes held ahead of use (gathered early or kept unsharded); one unit is always allowed."""
     check_ranks: bool = True
@@ -99,7 +103,9 @@ class PrefetchConfig:
 
     def __post_init__(self) -> None:
         self.mode = PrefetchMode.parse(self.mode)
-        require_at_least(0, self, "forward_prefetch", "backward_prefetch", why="0 disables it")
+        for name in ("forward_prefetch", "backward_prefetch"):
+            if getattr(self, name) != "auto":
+                require_at_least(0, self, name, why="0 disables it; or 'auto'")
         cap = self.max_prefetch_bytes
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0):
             raise ValueError(

@@ -10,6 +10,7 @@ and releases whatever the window still holds. README.md "How it behaves" walks i
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from typing import Any, Iterator, Sequence
@@ -19,8 +20,9 @@ import torch.nn as nn
 from fsdp_replay import _checkpoint, _compat
 from fsdp_replay._automatic import AUTO_KEYS, AutomaticScopes, automatic_key
 from fsdp_replay._hooks import HookSet
-from fsdp_replay._order import Cursor, Depth, Phase, RecordedOrders
-from fsdp_replay._ranks import RankMismatchError, check_across_ranks
+from fsdp_replay._adaptive import AdaptiveDepth
+from fsdp_replay._order import Cursor, Phase, RecordedOrders
+from fsdp_replay._ranks import RankMismatchError, agree_on_max, check_across_ranks
 from fsdp_replay._roots import Roots
 from fsdp_replay._scope import OFF_ORDER, Scope
 from fsdp_replay._strategies import DEMAND_ONLY, Record, Replay, ScopeMode, Static, Strategy, gather_at_demand, static_successors
@@ -54,7 +56,9 @@ class PrefetchScheduler:
         self._static_successors = static_successors(self.units)
         self._orders = RecordedOrders()
         self._scope: Scope | None = None
-        self._depth = Depth(config.forward_prefetch, config.backward_prefetch)
+        self._depths = AdaptiveDepth(
+            config.forward_prefetch, config.backward_prefetch, deepest=len(self.units), agree=self._agree_on_max
+        )
         self._warned_step_in_scope = False
         self._automatic = AutomaticScopes(len(roots))
         self._saved_prefetch = {unit: _compat.disable_own_prefetch(unit.state) for unit in self.units}
@@ -63,10 +67,14 @@ class PrefetchScheduler:
         self._window = PrefetchWindow(max_bytes=config.max_prefetch_bytes, can_keep=can_keep)
         self._finished: dict[str, FinishedScope] = {}
         """The last finished scope of each key, for ``explain()``."""
-        self._waits = DemandWaits(on_host=_compat.device(self.units[0].state).type == "cpu") if config.measure_waits else None
+        measure = config.measure_waits or self._depths.adaptive
+        self._waits = DemandWaits(on_host=_compat.device(self.units[0].state).type == "cpu") if measure else None
         if self._waits is not None and not all([self._hooks.time_waits(unit, self._waits) for unit in self.units]):
             self._waits = None
-            logger.warning("fsdp_replay: measure_waits needs FSDP2's internals, which are not used on this torch; waits are not measured")
+            logger.warning(
+                "fsdp_replay: measuring waits (measure_waits, or an 'auto' depth) needs FSDP2's internals, which are "
+                "not used on this torch; waits are not measured and an 'auto' depth stays at 1"
+            )
         for root in roots:
             self._hooks.register_root(root)
         self._optimizer_steps = OptimizerSteps((p for root in roots for p in root.parameters()), self._on_optimizer_step)
@@ -148,6 +156,20 @@ class PrefetchScheduler:
             known = ", ".join(repr(k) for k in self._finished) or "none yet"
             raise ValueError(f"explain({key!r}): no scope of that key has finished; keys with a finished scope: {known}")
         return build_report(finished)
+
+    def prefetch_depth(self, key: str = "train") -> tuple[int, int]:
+        """The ``(forward, backward)`` depth the next scope of ``key`` runs with (``"auto"`` adapts it)."""
+        return tuple(self._depths.of(key))
+
+    def set_max_prefetch_bytes(self, max_bytes: int | None) -> None:
+        """Change the byte cap from the next refill on (an ``"auto"`` depth re-learns what it allows).
+
+        Raises:
+            ValueError: ``max_bytes`` is neither a positive integer nor None.
+        """
+        self.config = dataclasses.replace(self.config, max_prefetch_bytes=max_bytes)  # validates it
+        self._window.max_bytes = max_bytes
+        self._depths.cap_changed()
 
     def invalidate(self, key: str | None = None) -> None:
         """Drop recorded orders; the next scope of such a key records again.
@@ -377,7 +399,7 @@ class PrefetchScheduler:
             return DEMAND_ONLY
         count_prefetch = prefetch_counter(self, key)
         if mode is PrefetchMode.static:
-            return Static(self._static_successors, self._depth, self._window, count_prefetch)
+            return Static(self._static_successors, self._depths.of(key), self._window, count_prefetch)
         if rerecord:
             self._orders.drop(key, reason="rerecord=True")
         order = self._orders.get(key)
@@ -386,7 +408,8 @@ class PrefetchScheduler:
         if self.config.check_ranks and self._orders.needs_check(key):
             check_across_ranks(key, self._orders, [unit.state for unit in self.units])
         may_skip_prefix = self._orders.first_replay(key)
-        return Replay(Cursor(order, depth=self._depth), self._window, count_prefetch, may_skip_prefix=may_skip_prefix)
+        depth = self._depths.of(key)
+        return Replay(Cursor(order, depth=depth), self._window, count_prefetch, may_skip_prefix=may_skip_prefix)
 
     def _close_auto_scope(self, scope: Scope) -> None:
         """An automatic scope still open at the next root forward or optimizer step."""
@@ -399,26 +422,37 @@ class PrefetchScheduler:
         self._scope = None
         why = f"the scope failed: {failure}" if failure is not None else "the scope ended before its demand"
         self.stats.count(scope.key, Count.wasted, self._window.release_all(why))
-        self._finish(scope, f"failed: {failure}" if failure is not None else None)
         if failure is not None:
             self._orders.drop(scope.key, reason=failure)
+            self._finish(scope, f"failed: {failure}", failed=True)
             return
         strategy = scope.strategy
-        if isinstance(strategy, Record):
-            if entries := strategy.recording.entries:
-                self._orders.install(scope.key, strategy.recording)
-                self.stats.count(scope.key, Count.recordings)
-                logger.debug("fsdp_replay: recorded %d demands for iteration %r", len(entries), scope.key)
-        elif isinstance(strategy, Replay):
-            if (unfinished := strategy.unfinished()) is not None:
-                self._diverge(scope, f"iteration {scope.key!r} {unfinished}")
-            elif strategy.skipped_prefix:
-                self._orders.trim(scope.key, strategy.cursor.order)
+        try:
+            if isinstance(strategy, Record):
+                if entries := strategy.recording.entries:
+                    self._orders.install(scope.key, strategy.recording)
+                    self._depths.rerecorded(scope.key)
+                    self.stats.count(scope.key, Count.recordings)
+                    logger.debug("fsdp_replay: recorded %d demands for iteration %r", len(entries), scope.key)
+            elif isinstance(strategy, Replay):
+                if (unfinished := strategy.unfinished()) is not None:
+                    self._diverge(scope, f"iteration {scope.key!r} {unfinished}")
+                elif strategy.skipped_prefix:
+                    self._orders.trim(scope.key, strategy.cursor.order)
+        finally:  # also when a divergence raises: every rank takes part in the depth's agreement
+            self._finish(scope, None)
 
-    def _finish(self, scope: Scope, outcome: str | None) -> None:
-        """Keep the scope for ``explain()``; the window's events go to a throwaway timeline until the next."""
-        self._finished[scope.key] = scope.finished(outcome, self._waits.take() if self._waits is not None else None)
+    def _finish(self, scope: Scope, outcome: str | None, *, failed: bool = False) -> None:
+        """Keep the scope for ``explain()`` (the window's events go to a throwaway timeline until the
+        next), and, unless it failed, let its waits decide an ``"auto"`` depth on every rank."""
+        waits = self._waits.take() if self._waits is not None else None
+        self._finished[scope.key] = scope.finished(outcome, waits)
         self._window.timeline = Timeline()
+        if not failed:
+            self._depths.scope_ended(scope.key, scope.waits_by_phase(waits))
+
+    def _agree_on_max(self, values: list[int]) -> list[int]:
+        return agree_on_max(values, [unit.state for unit in self.units])
 
     def _diverge(self, scope: Scope, detail: str) -> None:
         self.stats.count(scope.key, Count.divergences)
