@@ -7,8 +7,11 @@
 CUDA + NCCL when a GPU is present, else CPU + gloo; ``python recipes/train.py`` runs a world of one.
 With ``pipeline.stages > 1`` the ranks form a pipeline x FSDP mesh (``train_lib/pipeline.py``).
 Each run gets its own folder, ``outputs/<train.run_name>/<date>_<time>/`` (``outputs/latest`` points
-at the last one): ``metrics.jsonl`` (one line per step), ``summary.json``, Hydra's ``train.log``
-and ``.hydra/``, and ``checkpoints/step_N`` when saving.
+at the last one): ``metrics.jsonl`` (one line per step), ``summary.json``, ``metrics.png``, Hydra's
+``train.log`` and ``.hydra/``, ``checkpoints/step_N`` when saving, and rank 0's
+``sched.explain("train")`` of the last step: ``explain.txt`` (its table: how each demand was served,
+why each miss missed, how long each waited) and ``order.png`` (its timeline); neither with
+``train.prefetch_scheduler=false``, and no ``order.png`` without matplotlib.
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ log = logging.getLogger("train")
 
 PLAIN = "plain"
 """The mode name runs report with ``train.prefetch_scheduler=false``: plain FSDP2, no scheduler."""
+TRAIN_KEY = "train"
+"""The scope key of every optimizer step; the run folder's ``explain.txt`` explains its last one."""
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 CONFIG_NAME = "train"
@@ -325,11 +330,11 @@ def main(cfg: DictConfig) -> None:
         # --- train: one sched.iteration() per optimizer step, optimizer.step() after it ------
         for step in range(start_step + 1, job.train.steps + 1):
             recording = sched is not None and sched.mode is PrefetchMode.record_and_replay
-            if recording and sched.recorded_order("train") is None:
+            if recording and sched.recorded_order(TRAIN_KEY) is None:
                 report.recording()
             before = stats_of(sched)
             start = time.perf_counter()
-            with scope(sched, "train"):
+            with scope(sched, TRAIN_KEY):
                 loss = run_step(step=step)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -345,7 +350,7 @@ def main(cfg: DictConfig) -> None:
             report.step(step, loss=loss_value, seconds=seconds, stats=step_stats, eval_loss=eval_loss)
 
         # --- cleanup: the summary; leaving `distributed()` tears the process group down ------
-        summary = report.finish(sched, device=device)
+        summary = report.finish(sched, device=device, explain_key=TRAIN_KEY)
         if rank == 0:
             log.info("summary\n%s", summary)
 

@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 PLOT_FILE = "metrics.png"
+NOT_DRAWN = "not drawn: matplotlib is not installed (pip install matplotlib)"
+"""The summary's line for a picture skipped without matplotlib (this one and ``order.png``)."""
 
 Series = dict[str, list[tuple[int, float]]]
 """Name -> ``(step, value)`` points, as drawn."""

@@ -1,4 +1,5 @@
-"""What a user sees of a run: a rank-0 progress bar, a JSONL line per step, a final summary and plot."""
+"""What a user sees of a run: a rank-0 progress bar, a JSONL line per step, a final summary and plot,
+and the scheduler's explanation of the last training step (``explain.txt``, ``order.png``)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ import torch
 from tqdm import tqdm
 
 from fsdp_replay import KeyStats, PrefetchScheduler, PrefetchStats
-from train_lib.plot import PLOT_FILE, plot_metrics
+from train_lib.plot import NOT_DRAWN, PLOT_FILE, plot_metrics
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
+EXPLAIN_FILE = "explain.txt"
+ORDER_PLOT_FILE = "order.png"
 
 
 def stats_delta(after: dict[str, int], before: dict[str, int]) -> KeyStats:
@@ -29,6 +32,27 @@ def peak_memory(device: torch.device) -> tuple[int, str]:
         return torch.cuda.max_memory_allocated(device), "CUDA allocated"
     # Linux reports ru_maxrss in KiB.
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "max RSS"
+
+
+def write_explain(sched: PrefetchScheduler | None, run_dir: Path, *, key: str) -> str:
+    """Write ``sched.explain(key)``'s table and timeline into ``run_dir``; the summary's line about them.
+
+    The summary says how many demands missed; these files say which, why, and how long each
+    waited, without rerunning anything. Only the last finished ``key`` scope is kept by the
+    scheduler, so this is the run's last training step, as this rank (0) saw it.
+    """
+    if sched is None:
+        return "not written: plain FSDP2 has no scheduler to explain (train.prefetch_scheduler=false)"
+    try:
+        report = sched.explain(key)
+    except ValueError:  # e.g. resumed at the last step: no scope of `key` ran
+        return f"not written: no {key!r} step ran"
+    (run_dir / EXPLAIN_FILE).write_text(f"{report}\n")
+    try:
+        report.plot(run_dir / ORDER_PLOT_FILE)
+    except ImportError:
+        return f"{EXPLAIN_FILE}; {ORDER_PLOT_FILE} {NOT_DRAWN}"
+    return f"{EXPLAIN_FILE}, {ORDER_PLOT_FILE}: rank 0's last {key!r} step"
 
 
 def shown_path(path: Path) -> Path:
@@ -80,11 +104,12 @@ class RunReport:
         self._bar.set_postfix(postfix, refresh=False)
         self._bar.update()
 
-    def finish(self, sched: PrefetchScheduler | None, *, device: torch.device) -> str:
-        """Close the outputs, write ``summary.json`` and return the summary table.
+    def finish(self, sched: PrefetchScheduler | None, *, device: torch.device, explain_key: str) -> str:
+        """Close the outputs, write ``summary.json`` and the explanation of ``explain_key``; return the summary table.
 
-        ``sched`` is None for plain FSDP2: its counters read 0 and there are no recorded orders.
-        Under pipelines they are this (rank 0's) scheduler's, over the stages this rank holds.
+        ``sched`` is None for plain FSDP2: its counters read 0, there are no recorded orders and
+        nothing to explain. Under pipelines they are this (rank 0's) scheduler's, over the stages
+        this rank holds.
         """
         self._bar.close()
         if self._metrics is not None:
@@ -112,6 +137,7 @@ class RunReport:
         if self.enabled:
             (self.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
         plot = self._plot() if self.enabled else ""
+        explained = write_explain(sched, self.run_dir, key=explain_key) if self.enabled else ""
         rows = [
             ("mode", self.mode),
             ("mean step time", f"{mean_step * 1e3:.1f} ms"),
@@ -123,6 +149,7 @@ class RunReport:
             ("divergences", str(stats.divergences)),
             ("run folder", str(shown_path(self.run_dir))),
             ("plot", plot),
+            ("explain", explained),
         ]
         width = max(len(name) for name, _ in rows)
         return "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)
@@ -132,5 +159,5 @@ class RunReport:
         lines = (self.run_dir / METRICS_FILE).read_text().splitlines()
         title = f"{self.mode}: {self.run_dir.name}"
         if plot_metrics([json.loads(line) for line in lines], self.run_dir / PLOT_FILE, title=title) is None:
-            return "not drawn: matplotlib is not installed (pip install matplotlib)"
+            return NOT_DRAWN
         return PLOT_FILE

@@ -31,7 +31,8 @@ def compose_train(*overrides: str, hydra_config: bool = False) -> DictConfig:
 def test_defaults_are_record_and_replay_on_the_tiny_model() -> None:
     job = to_job_config(compose_train())
     assert isinstance(job, TrainJobConfig)
-    assert job.prefetch == PrefetchConfig()
+    # The library's defaults, but with waits timed: the run folder's explain.txt reports them.
+    assert job.prefetch == PrefetchConfig(measure_waits=True)
     assert job.prefetch.mode is PrefetchMode.record_and_replay
     assert job.model.name == "tiny"
     assert job.train.schedule is MicrobatchSchedule.sequential
@@ -42,6 +43,7 @@ def test_every_group_yaml_composes_into_its_schema(path: Path) -> None:
     job = to_job_config(compose_train(f"{path.parent.name}={path.stem}"))
     if path.parent.name == "prefetch":
         assert job.prefetch.mode is PrefetchMode[path.stem]
+        assert job.prefetch.measure_waits  # every mode's explain.txt has waits
     else:
         assert job.model.name == path.stem
 
@@ -63,6 +65,7 @@ def test_every_yaml_starts_with_the_command_that_runs_it(path: Path) -> None:
         ("prefetch.mode=static", "prefetch.mode", PrefetchMode.static),
         ("prefetch.forward_prefetch=2", "prefetch.forward_prefetch", 2),
         ("prefetch.max_prefetch_bytes=1048576", "prefetch.max_prefetch_bytes", 1 << 20),
+        ("prefetch.measure_waits=false", "prefetch.measure_waits", False),
         ("model=small", "model.dim", 256),
         ("model.depth_repeats=2", "model.depth_repeats", 2),
         ("train.steps=50", "train.steps", 50),

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from recipe_runs import Run, launch
+from train_lib.report import EXPLAIN_FILE, ORDER_PLOT_FILE
 
 from fsdp_replay import PrefetchMode
 
@@ -63,6 +64,17 @@ def test_record_and_replay_records_the_first_pipeline_step_then_replays_it(train
     log = (run.dir / "train.log").read_text()
     assert log.count(f"{NPROC} rank(s) on cpu (gloo), pipeline: 2 x 2 FSDP ranks") == 1
     assert "evaluation is off with pipeline.stages > 1" in log
+
+
+def test_rank_0_explains_the_last_step_over_the_chunks_it_holds(train_run: TrainRun) -> None:
+    pytest.importorskip("matplotlib")
+    run = pipeline_run(train_run, "Interleaved1F1B", PrefetchMode.record_and_replay.name)
+    text = (run.dir / EXPLAIN_FILE).read_text()
+    assert text.startswith("fsdp_replay explain 'train': replay scope, completed;"), text
+    assert "chunk0/tok_embeddings" in text and "chunk1/layers.2" in text, text  # rank 0 holds stages 0 and 2
+    assert (run.dir / ORDER_PLOT_FILE).read_bytes().startswith(b"\x89PNG")
+    plain = pipeline_run(train_run, "Interleaved1F1B", PLAIN)
+    assert not (plain.dir / EXPLAIN_FILE).exists()
 
 
 def test_too_few_microbatches_for_the_schedule_fail_with_the_schedules_reason(tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""The run report's files, summary and picture, written in one process from made-up step counters."""
+"""The run report's files, summary and pictures, written in one process from made-up step counters
+and a made-up explain() report."""
 
 from __future__ import annotations
 
@@ -10,14 +11,25 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from train_lib.plot import PLOT_FILE, plot_metrics
-from train_lib.report import METRICS_FILE, RunReport
+from train_lib.plot import NOT_DRAWN, PLOT_FILE, plot_metrics
+from train_lib.report import EXPLAIN_FILE, METRICS_FILE, ORDER_PLOT_FILE, RunReport, write_explain
 
-from fsdp_replay import KeyStats, PrefetchStats
+from fsdp_replay import DemandRow, ExplainReport, KeyStats, PrefetchStats, Served
+from fsdp_replay.stats import MissReason
 
 STEPS = 5
 EVAL_STEPS = (2, 4)
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+KEY = "train"
+
+
+def explain(key: str) -> ExplainReport:
+    """What ``sched.explain(key)`` returns after a replayed step of one unit: a hit, then a miss."""
+    rows = [
+        DemandRow(0, "layers.0", "forward", Served.hit, wait_s=0.0, provided_at=-0.5),
+        DemandRow(1, "layers.0", "backward", Served.miss, reason=MissReason.depth, wait_s=0.002),
+    ]
+    return ExplainReport(key, "replay", "completed", rows, waits_measured=True)
 
 
 def report_a_run(run_dir: Path) -> dict[str, str]:
@@ -33,8 +45,8 @@ def report_a_run(run_dir: Path) -> dict[str, str]:
             totals.add(name, value)
         eval_loss = 4.0 - step / 10 if step in EVAL_STEPS else None
         report.step(step, loss=5.0 - step / 10, seconds=0.1, stats=stats, eval_loss=eval_loss)
-    sched = SimpleNamespace(stats=totals, recorded_order=lambda key: None)
-    summary = report.finish(sched, device=torch.device("cpu"))
+    sched = SimpleNamespace(stats=totals, recorded_order=lambda key: None, explain=explain)
+    summary = report.finish(sched, device=torch.device("cpu"), explain_key=KEY)
     return dict(re.split(r"\s{2,}", line.strip(), maxsplit=1) for line in summary.splitlines())
 
 
@@ -58,7 +70,32 @@ def test_plot_has_one_point_per_step_and_eval_loss_where_evaluated(tmp_path: Pat
     assert drawn["hit_rate_pct"][0] == (1, 20.0)  # the recording step: resident demands only
 
 
+def test_run_folder_explains_the_last_train_step_in_a_table_and_a_timeline(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    assert report_a_run(tmp_path)["explain"] == f"{EXPLAIN_FILE}, {ORDER_PLOT_FILE}: rank 0's last {KEY!r} step"
+    assert (tmp_path / EXPLAIN_FILE).read_text() == f"{explain(KEY)}\n"
+    assert (tmp_path / ORDER_PLOT_FILE).read_bytes().startswith(PNG_SIGNATURE)
+
+
 def test_without_matplotlib_the_summary_says_so_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # makes the import fail
-    assert report_a_run(tmp_path)["plot"] == "not drawn: matplotlib is not installed (pip install matplotlib)"
+    rows = report_a_run(tmp_path)
+    assert rows["plot"] == "not drawn: matplotlib is not installed (pip install matplotlib)"
     assert not (tmp_path / PLOT_FILE).exists()
+    # The table needs no matplotlib; only the timeline is skipped, with the same words.
+    assert rows["explain"] == f"{EXPLAIN_FILE}; {ORDER_PLOT_FILE} {NOT_DRAWN}"
+    assert (tmp_path / EXPLAIN_FILE).read_text().startswith("fsdp_replay explain 'train'")
+    assert not (tmp_path / ORDER_PLOT_FILE).exists()
+
+
+def no_finished_scope(key: str) -> ExplainReport:
+    """``sched.explain(key)`` before any scope of ``key`` finished."""
+    raise ValueError(f"explain({key!r}): no scope of that key has finished")
+
+
+def test_nothing_to_explain_writes_nothing_and_says_so(tmp_path: Path) -> None:
+    # A run resumed at its last step finishes no train scope: explain() raises, the run does not.
+    sched = SimpleNamespace(explain=no_finished_scope)
+    assert write_explain(sched, tmp_path, key=KEY) == f"not written: no {KEY!r} step ran"
+    assert write_explain(None, tmp_path, key=KEY).startswith("not written: plain FSDP2 has no scheduler")
+    assert not any(tmp_path.iterdir())

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from recipe_runs import Run, launch
 from train_lib.plot import PLOT_FILE, plot_metrics
+from train_lib.report import EXPLAIN_FILE, ORDER_PLOT_FILE
 
 from fsdp_replay import PrefetchMode
 
@@ -108,6 +109,24 @@ def test_run_folder_has_a_plot_of_every_step_drawn_from_its_metrics(train_run: T
         assert [step for step, _ in drawn[name]] == list(range(1, STEPS + 1)), name
     assert [step for step, _ in drawn["eval_loss"]] == [2, 4]
     assert "  plot " in (run.dir / "train.log").read_text()
+
+
+def test_run_folder_explains_the_last_train_step(train_run: TrainRun) -> None:
+    pytest.importorskip("matplotlib")
+    run = baseline(train_run)
+    text = (run.dir / EXPLAIN_FILE).read_text()
+    # The last step replays the recorded order, with waits timed (the configs' default).
+    assert text.startswith("fsdp_replay explain 'train': replay scope, completed;"), text
+    assert "waits not measured" not in text and "blocked " in text, text
+    assert (run.dir / ORDER_PLOT_FILE).read_bytes().startswith(b"\x89PNG")
+    assert f"{EXPLAIN_FILE}, {ORDER_PLOT_FILE}: rank 0's last 'train' step" in (run.dir / "train.log").read_text()
+
+
+def test_plain_fsdp2_has_nothing_to_explain_and_says_so(train_run: TrainRun) -> None:
+    run = baseline(train_run, PLAIN)
+    assert not (run.dir / EXPLAIN_FILE).exists() and not (run.dir / ORDER_PLOT_FILE).exists()
+    log = (run.dir / "train.log").read_text()
+    assert log.count("not written: plain FSDP2 has no scheduler to explain (train.prefetch_scheduler=false)") == 1
 
 
 def test_evaluation_runs_under_its_own_scope_key(train_run: TrainRun) -> None:
