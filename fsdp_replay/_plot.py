@@ -9,13 +9,15 @@ if TYPE_CHECKING:
     from fsdp_replay.explain import ExplainReport
 
 _COLOURS = {"hit": "tab:green", "kept": "tab:blue", "resident": "tab:gray", "miss": "tab:red"}
+_MARKERS = {"forward": "o", "backward": "s", "recompute": "^"}
 
 
 def draw_report(report: ExplainReport, path: Path) -> Path:
-    """Demands along x, units along y: where each gather was issued (a line from there to its use),
-    keeps (dashed), misses (a red cross), gathers undone unused (a hollow circle); below, the wait
-    each demand blocked for, when measured."""
+    """Demands along x, units along y, coloured by how each was served and shaped by its phase:
+    where each gather was issued (a line from there to its use; dashed: a keep), gathers undone
+    unused (a hollow circle); below, the wait each demand blocked for, when measured."""
     from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global figure state
+    from matplotlib.ticker import MaxNLocator
 
     rows = report.rows
     units = list(dict.fromkeys(row.unit for row in rows)) + [u.unit for u in report.undone]
@@ -31,12 +33,17 @@ def draw_report(report: ExplainReport, path: Path) -> Path:
             style = "--" if row.served == "kept" else "-"
             timeline.plot([row.provided_at, row.position], [y[row.unit]] * 2, style, color=_COLOURS[row.served.value], lw=1, alpha=0.7)
     for served, colour in _COLOURS.items():
-        chosen = [row for row in rows if row.served == served]
-        if chosen:
-            timeline.scatter(
-                [r.position for r in chosen], [y[r.unit] for r in chosen], c=colour, s=28 if served != "miss" else 46,
-                marker="x" if served == "miss" else "o", label=served, zorder=3,
-            )
+        for phase, marker in _MARKERS.items():
+            chosen = [row for row in rows if row.served == served and row.phase == phase]
+            if chosen:
+                timeline.scatter(
+                    [r.position for r in chosen], [y[r.unit] for r in chosen], c=colour, marker=marker, zorder=3,
+                    s=60 if served == "miss" else 30, edgecolors="black" if served == "miss" else "none",
+                )
+    for served, colour in _COLOURS.items():
+        timeline.scatter([], [], c=colour, marker="o", label=served)
+    for phase, marker in _MARKERS.items():
+        timeline.scatter([], [], c="white", edgecolors="black", marker=marker, label=phase)
     if report.undone:
         timeline.scatter(
             [u.position for u in report.undone], [y[u.unit] for u in report.undone], facecolors="none",
@@ -45,10 +52,9 @@ def draw_report(report: ExplainReport, path: Path) -> Path:
     timeline.set_yticks(range(len(units)), units, fontsize=7)
     timeline.invert_yaxis()
     timeline.set_ylabel("unit")
-    timeline.legend(loc="upper right", fontsize=7, ncols=5)
-    timeline.set_title(
-        f"{report.key!r}: {report.mode} scope, {report.outcome} - lines: gather issued -> used (dashed: kept)", fontsize=9
-    )
+    timeline.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False)
+    outcome = report.outcome if len(report.outcome) <= 60 else report.outcome[:57] + "..."
+    timeline.set_title(f"{report.key!r}: {report.mode} scope, {outcome}\nlines: gather issued -> used (dashed: kept)", fontsize=8)
     if panels == 2:
         waits = axes[1][0]
         waits.bar(
@@ -56,7 +62,9 @@ def draw_report(report: ExplainReport, path: Path) -> Path:
             color=[_COLOURS[row.served.value] for row in rows], width=0.8,
         )
         waits.set_ylabel("wait ms")
+        waits.set_ylim(bottom=0, top=max([(row.wait_s or 0.0) * 1e3 for row in rows] + [0.01]) * 1.1)
     axes[-1][0].set_xlabel("demand position in the scope")
+    axes[-1][0].xaxis.set_major_locator(MaxNLocator(integer=True))
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     return path

@@ -288,8 +288,8 @@ class Static:
         self._depth = depth
         self._window = window
         self._count_prefetch = count_prefetch
-        self._guessed: list[Unit] = []
-        """The successors the previous demand guessed."""
+        self._guessed: list[Unit] | None = None
+        """The successors the previous demand guessed; None before the scope's first demand."""
         self._stop: tuple[list[Unit], Why] | None = None
         """The guesses it did not prefetch, and why."""
         self.capped = [False, False]
@@ -321,6 +321,8 @@ class Static:
         pass  # each demand guesses afresh: nothing is provided for ahead of the first
 
     def why_missed(self, unit: Unit, phase: Phase) -> Why:
+        if self._guessed is None:
+            return Why(MissReason.static_guess, "the scope's first demand: static guesses only from the demand before")
         if self._stop is not None and unit in self._stop[0]:
             return self._stop[1]
         if self._depth.of(phase) == 0:

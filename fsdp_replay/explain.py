@@ -166,8 +166,12 @@ def _render(report: ExplainReport) -> str:
             lines.append(f"  {len(which):4d}  {text}  ({at})")
     if report.waits_measured and (waited := sorted((r for r in rows if r.wait_s), key=lambda r: -r.wait_s)):
         lines.append("largest waits:")
+        width = max(len(row.unit) for row in waited[:_LARGEST_WAITS])
         for row in waited[:_LARGEST_WAITS]:
-            lines.append(f"  #{row.position:<5d} {row.unit} {row.phase:<9} {row.served.value:<8} {row.wait_s * 1e3:8.2f} ms  {_why_waited(row)}")
+            lines.append(
+                f"  #{row.position:<5d} {row.unit:<{width}} {row.phase:<9} {row.served.value:<8} "
+                f"{row.wait_s * 1e3:8.2f} ms  {_why_waited(row)}"
+            )
     for wasted, title in ((True, "wasted gathers"), (False, "taken over by others")):
         if undone := [u for u in report.undone if u.wasted is wasted]:
             lines.append(f"{title}: {len(undone)}")
@@ -196,6 +200,6 @@ def _why_waited(row: DemandRow) -> str:
     if row.reason is not None:
         return f"miss: {row.reason.value}" + (f" ({row.detail})" if row.detail else "")
     if row.provided_at is not None:
-        ahead = row.position - row.provided_at - 0.5
-        return f"gather issued {ahead:.0f} demand{'s' if ahead != 1 else ''} ahead"
+        after = round(row.provided_at + 0.5) - 1
+        return "issued at the scope's start" if after < 0 else f"issued after #{after}"
     return ""
