@@ -67,7 +67,10 @@ class Scope:
         """Log a demand in the timeline; returns its position in the scope."""
         if self.taken_over:
             self.taken_over.pop(unit, None)
-        return self.timeline.demand((Event.demand, unit, phase, demand, held, why))
+        timeline = self.timeline
+        timeline.append((Event.demand, unit, phase, demand, held, why))
+        timeline.demands += 1
+        return timeline.demands - 1
 
     def other_party(self, unit: Unit, call: _compat.OtherPartyCall, held: Held | None, *, undoes: bool) -> None:
         """Someone else acted on ``unit``: ``held`` is what the window had provided for it, now

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any
-
 from fsdp_replay.waits import WaitLog
 
 
@@ -34,13 +32,7 @@ class Timeline(list):
     def __init__(self) -> None:
         super().__init__()
         self.demands = 0
-        """Demands appended so far: the next demand's position."""
-
-    def demand(self, event: tuple[Any, ...]) -> int:
-        """Append a demand; returns its position in the scope."""
-        self.append(event)
-        self.demands += 1
-        return self.demands - 1
+        """Demands appended so far (``Scope.demanded`` counts them): the next demand's position."""
 
 
 @dataclass
