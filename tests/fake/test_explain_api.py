@@ -1,6 +1,7 @@
 """``explain()``'s API on the fake backend: errors, the table, the picture, and what it keeps."""
 
 import gc
+import os
 import re
 import weakref
 
@@ -110,3 +111,18 @@ def test_wait_meter_rejects_a_model_without_units_and_restores_fsdp2(mesh8):
         _step(model)
         assert all(isinstance(fqn, str) and seconds >= 0 for fqn, seconds in meter.take())
     assert "wait_for_unshard" not in group.__dict__ and "unshard" not in group.__dict__
+
+
+def test_a_pipeline_schedules_call_is_named_as_such(mesh8):
+    """Whose call undid a prefetch is read off the call stack: code under torch/distributed/pipelining/."""
+    model = linear_stack(mesh8)
+    sched = attach(model, PrefetchConfig())
+    _step(model, sched)
+    namespace: dict = {}
+    exec(compile("def action(unit):\n    unit.reshard()\n", os.path.join(os.sep, "site", "torch", "distributed", "pipelining", "schedules.py"), "exec"), namespace)
+    handle = model[0].register_forward_hook(lambda *_: namespace["action"](model[1]))  # 1's gather is pending then
+    _step(model, sched)
+    handle.remove()
+    report = sched.explain("train")
+    assert [(u.unit, u.why, u.wasted) for u in report.undone] == [("1", "a pipeline schedule's reshard()", False)]
+    assert (report.rows[1].reason, report.rows[1].detail) == (MissReason.dropped, "a pipeline schedule's reshard()")

@@ -64,6 +64,7 @@ def test_every_yaml_starts_with_the_command_that_runs_it(path: Path) -> None:
         ("prefetch=static", "prefetch.mode", PrefetchMode.static),
         ("prefetch.mode=static", "prefetch.mode", PrefetchMode.static),
         ("prefetch.forward_prefetch=2", "prefetch.forward_prefetch", 2),
+        ("prefetch.backward_prefetch=auto", "prefetch.backward_prefetch", "auto"),
         ("prefetch.max_prefetch_bytes=1048576", "prefetch.max_prefetch_bytes", 1 << 20),
         ("prefetch.measure_waits=false", "prefetch.measure_waits", False),
         ("model=small", "model.dim", 256),
