@@ -38,6 +38,9 @@ from fsdp_replay.testing.workloads import Workload, run_iteration, workload
 SCOPE_KEY = "bench"
 OWN_COMMUNICATION = ("demand", "record_and_replay")
 """Modes whose own collectives give a bound; the others issue demand's (one gather per use)."""
+MEASURE_WAITS = "record_and_replay measure_waits"
+"""The CPU-cost run's name for ``record_and_replay`` with ``PrefetchConfig(measure_waits=True)``:
+what timing every demand's wait for ``explain()`` costs."""
 
 
 # --- one step of one mode ---------------------------------------------------------------------------
@@ -61,16 +64,20 @@ class Contender:
     iterate: Callable[[int], list[float]]
 
 
-def prefetch_config(mode: str, run: RunConfig) -> PrefetchConfig:
+def prefetch_config(mode: str, run: RunConfig, *, measure_waits: bool = False) -> PrefetchConfig:
     """The scheduler's config of ``mode``: the run's prefetch depths, the package's defaults otherwise."""
-    return PrefetchConfig(mode=mode, forward_prefetch=run.forward_prefetch, backward_prefetch=run.backward_prefetch)
+    return PrefetchConfig(
+        mode=mode, forward_prefetch=run.forward_prefetch, backward_prefetch=run.backward_prefetch, measure_waits=measure_waits
+    )
 
 
-def build_contender(mode: str, w: Workload, mesh: DeviceMesh, run: RunConfig, *, metered: bool = True) -> Contender:
+def build_contender(
+    mode: str, w: Workload, mesh: DeviceMesh, run: RunConfig, *, metered: bool = True, measure_waits: bool = False
+) -> Contender:
     """``mode`` on a fresh model of ``w``; ``metered=False`` leaves the wait meter out (the CPU-cost
-    run times the scheduler, not the meter)."""
+    run times the scheduler, not the meter), ``measure_waits`` turns the scheduler's own on."""
     model = w.make_model().shard(mesh)  # make_model seeds: every mode starts from the same weights
-    sched = attach(model, prefetch_config(mode, run)) if mode != "plain" else None
+    sched = attach(model, prefetch_config(mode, run, measure_waits=measure_waits)) if mode != "plain" else None
     observer = DemandObserver(model)  # after attach: its hooks run first, so it sees FSDP2's state untouched
     meter = WaitMeter(model) if metered else None  # after attach: it wraps the scheduler's unshard, not hidden by it
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -285,7 +292,8 @@ def measure_cpu_cost(cfg: BenchConfig) -> dict[str, Any]:
 
     The fake backend does all of a step's work on this thread, so its CPU time is the step's cost
     without the time other processes on the machine take; each mode is compared with the plain
-    step of the same round (A B C D), and the median of those ratios is reported. No contender has
+    step of the same round (A B C D E), and the median of those ratios is reported. The fifth,
+    ``MEASURE_WAITS``, is ``record_and_replay`` timing its waits for ``explain()``. No contender has
     the benchmark's wait meter: its cost is not the scheduler's.
     """
     cc = cfg.cpu_cost
@@ -296,6 +304,8 @@ def measure_cpu_cost(cfg: BenchConfig) -> dict[str, Any]:
             w = workload("sequential", dim=cc.dim, hidden=cc.hidden, n_blocks=cc.units, rows=cc.rows)
             run = dataclasses.replace(cfg.bench, quick=False)
             contenders = [build_contender(mode, w, mesh, run, metered=False) for mode in MODES]
+            timing = build_contender("record_and_replay", w, mesh, run, metered=False, measure_waits=True)
+            contenders.append(dataclasses.replace(timing, mode=MEASURE_WAITS))
             times: dict[str, list[float]] = {c.mode: [] for c in contenders}
             demands = 0
             for step in range(cc.warmup_steps + cc.steps):
