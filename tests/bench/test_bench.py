@@ -69,6 +69,13 @@ def quick_run(tmp_path_factory) -> tuple[dict, Path, str, set[str]]:
 
 
 @pytest.fixture(scope="module")
+def explain_run(tmp_path_factory) -> tuple[dict, Path, str, set[str]]:
+    run_dir = tmp_path_factory.mktemp("bench_explain")
+    report, stdout, leaked = _run_bench(run_dir, "suite=explain", "bench.workloads=[checkpointed]")
+    return report, run_dir, stdout, leaked
+
+
+@pytest.fixture(scope="module")
 def pipeline_run(tmp_path_factory) -> tuple[dict, Path, str, set[str]]:
     run_dir = tmp_path_factory.mktemp("bench_pipeline")
     report, stdout, leaked = _run_bench(run_dir, "suite=pipeline")
@@ -208,3 +215,18 @@ def test_pipeline_modes_issue_no_more_all_gathers_than_plain_and_compute_the_sam
         assert rr["misses"] == 0 and rr["divergences"] == 0, name
         assert sch["losses_equal"], name
 
+
+# --- suite=explain: rank 0's explain() of a replayed checkpointed step --------------------------------
+
+
+def test_explain_run_prints_the_report_and_publishes_its_picture_next_to_the_markdown(explain_run):
+    report, run_dir, stdout, leaked = explain_run
+    explained = report["explain"]["checkpointed"]
+    assert "fsdp_replay explain 'bench': replay scope, completed" in explained["text"] and "blocked" in explained["text"]
+    assert explained["text"] in stdout and not leaked
+    assert explained["total_wait_s"] == pytest.approx(sum(row["wait_s"] for row in explained["rows"]))
+    assert {row["phase"] for row in explained["rows"]} == {"forward", "backward", "recompute"}
+    md = (run_dir / "BENCHMARKS.md").read_text()
+    assert "hand-written analysis stays" in md and "<!-- bench:results:explain:cpu -->" in md
+    pytest.importorskip("matplotlib")
+    assert "](docs/explain_checkpointed.png)" in md and (run_dir / "docs" / "explain_checkpointed.png").stat().st_size > 0
