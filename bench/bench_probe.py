@@ -5,7 +5,9 @@ The exposed all-gather wait is not measured here: the benchmark takes it from th
 ``fsdp_replay.WaitMeter``, one per contender (``bench_measure``). What is left has no public hook
 in FSDP2, so the benchmark wraps three FSDP2 internals while :meth:`FSDPProbe.installed` is
 active, and restores them on exit. That is acceptable in a measurement harness; the product
-(``fsdp_replay``) patches only instances, never FSDP2's classes.
+(``fsdp_replay``) patches only instances, never FSDP2's classes. Install the probe before any
+contender is built: the scheduler's and the meter's instance wrappers call ``unshard`` as it was
+when they were installed.
 
 - ``FSDPParamGroup.unshard``: counts the gathers FSDP2 issues (and logs them); an ``async_op=True``
   gather only launches there (copy-in), timed as issue cost. ``wait_for_unshard`` only samples the
