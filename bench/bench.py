@@ -3,12 +3,16 @@
     python bench/bench.py bench.update_benchmarks_md=BENCHMARKS.md   # the full run (~10 min on 2 cores)
     python bench/bench.py bench.quick=true                           # CI smoke run (~1 min)
     python bench/bench.py suite=pipeline bench.update_benchmarks_md=BENCHMARKS.md   # pipeline parallelism
+    python bench/bench.py suite=explain 'bench.workloads=[checkpointed]'           # where a replayed step waits
 
 One run measures every workload of ``bench.workloads`` in every mode (plain FSDP2, demand, static,
 record_and_replay), stepping the modes in alternation, then the compute-only and
 communication-only runs that give the bound, then the scheduler's CPU cost on the fake backend.
 ``suite=pipeline`` instead measures the ``pipeline`` node: Schedule1F1B and ScheduleInterleaved1F1B
 on pp x dp gloo ranks, every mode, as ratios to plain FSDP2 (``bench_pipeline``; CPU only).
+``suite=explain`` prints rank 0's ``sched.explain()`` of the first replayed ``record_and_replay``
+step of each of ``bench.workloads``, with ``measure_waits=True``, and draws its timeline
+(``bench_explain``; CPU only; with ``bench.update_benchmarks_md`` the pictures go to ``docs/``).
 
 On CPU as root, both ranks run inside a network namespace whose loopback is rate limited
 (``netns.rate``, tbf), so communication costs wall time as on a cluster link; the namespace is
@@ -16,7 +20,8 @@ deleted afterwards, also on failure. Without root it runs on plain loopback and 
 GPUs it runs the same measurement on NCCL (``netns`` is not used).
 
 Outputs in ``outputs/bench/`` (Hydra's run dir): ``results.json`` (every figure, raw step times),
-``table.md`` (also printed), ``bench.png`` and, with ``bench.profile=true``, ``traces/``.
+``table.md`` (also printed), ``bench.png`` (``explain_<workload>.png`` for ``suite=explain``) and,
+with ``bench.profile=true``, ``traces/``.
 """
 
 from __future__ import annotations
@@ -68,6 +73,16 @@ def machine(load_before: tuple[float, ...]) -> dict[str, Any]:
     }
 
 
+def publish_figures(section: str, run_dir: Path, figures: dict[str, Path], md: Path) -> str:
+    """Copy each figure of the run (its name in ``run_dir`` -> where it goes) next to ``md`` and point
+    the section's links at the copies: the pictures travel with the markdown that shows them."""
+    for name, target in figures.items():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes((run_dir / name).read_bytes())
+        section = section.replace(f"]({name})", f"]({target.relative_to(md.parent).as_posix()})")
+    return section
+
+
 def use_namespace(job: BenchConfig, device: str) -> tuple[bool, str]:
     """Whether to run the ranks in a rate-limited namespace, and a line saying what they run on."""
     if device == "cuda":
@@ -110,8 +125,8 @@ def main(cfg: DictConfig) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     overrides = " ".join(HydraConfig.get().overrides.task)
     command = f"python bench/bench.py {overrides}".strip()
-    pipeline = job.suite == "pipeline"
-    device = "cuda" if torch.cuda.is_available() and not pipeline else "cpu"
+    standard = job.suite == "standard"
+    device = "cuda" if torch.cuda.is_available() and standard else "cpu"
     load_before = os.getloadavg()
     namespaced, interconnect = use_namespace(job, device)
     print(f"bench/bench.py: {device}, interconnect: {interconnect or 'rate-limited namespace ' + job.netns.rate}", flush=True)
@@ -122,7 +137,7 @@ def main(cfg: DictConfig) -> None:
         ranks, interconnect = measure_in_namespace(job, run_dir)
     else:
         ranks = run_ranks(job, run_dir)
-    cpu_cost = None if pipeline else measure_cpu_cost(job)
+    cpu_cost = measure_cpu_cost(job) if standard else None
     wall_s = time.perf_counter() - start
 
     # --- report -----------------------------------------------------------------------------------
@@ -137,10 +152,14 @@ def main(cfg: DictConfig) -> None:
         "rate_limited": namespaced,
         "wall_s": wall_s,
     }
-    if pipeline:
+    if job.suite == "pipeline":
         report["pipeline"] = bench_report.summarize_pipeline(ranks, job.bench.modes)
         report["plot"] = None
         section = bench_report.render_pipeline(report)
+    elif job.suite == "explain":
+        report["explain"] = ranks[0]["explain"]
+        report["plot"] = None
+        section = bench_report.render_explain(report)
     else:
         report["workloads"] = workloads = bench_report.summarize(ranks, job.bench.modes)
         report["cpu_cost"] = cpu_cost
@@ -151,13 +170,12 @@ def main(cfg: DictConfig) -> None:
     (run_dir / "table.md").write_text(section + "\n")
     if job.bench.update_benchmarks_md:
         md = Path(job.bench.update_benchmarks_md)
-        if report["plot"]:  # the plot travels next to the markdown that shows it
-            target = md.parent / f"bench_{device}.png"
-            target.write_bytes((run_dir / "bench.png").read_bytes())
-            section = section.replace(f"]({report['plot']})", f"]({target.name})")
-        bench_report.update_markdown(md, section, f"pipeline:{device}" if pipeline else device)
+        figures = {report["plot"]: md.parent / f"bench_{device}.png"} if report["plot"] else {}
+        figures.update({w["plot"]: md.parent / "docs" / w["plot"] for w in report.get("explain", {}).values() if w["plot"]})
+        section = publish_figures(section, run_dir, figures, md)
+        bench_report.update_markdown(md, section, device if standard else f"{job.suite}:{device}")
     print(section)
-    if job.bench.plot and report["plot"] is None and not pipeline:
+    if job.bench.plot and report["plot"] is None and standard:
         print("bench/bench.py: matplotlib is not installed; no plot (pip install matplotlib)")
     print(f"bench/bench.py: results in {run_dir}")
 

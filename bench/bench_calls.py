@@ -5,6 +5,8 @@ python bench/bench_calls.py [--steps 5]
 The CPU-cost workload of ``configs/bench.yaml`` (fake backend, world 8, 64 tiny units) under
 ``cProfile``: unlike a time, the count does not depend on what else runs on the machine, so a
 change to the per-demand path can be judged on a loaded machine too (BENCHMARKS.md, CPU cost).
+``record_and_replay measure_waits`` is ``record_and_replay`` with ``PrefetchConfig(measure_waits=True)``,
+the cost of timing each demand's wait for ``explain()`` (BENCHMARKS.md, CPU cost of explain()).
 """
 
 from __future__ import annotations
@@ -14,19 +16,20 @@ import cProfile
 import pstats
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
+from bench_config import MODES
+from bench_measure import MEASURE_WAITS
 from fsdp_replay import PrefetchConfig, attach
 from fsdp_replay.testing.distributed import fake_world
 from fsdp_replay.testing.workloads import run_iteration, workload
 
-MODES = ("plain", "demand", "static", "record_and_replay")
 
-
-def calls_per_step(mode: str, mesh, steps: int, warmup: int = 3) -> tuple[float, int]:
+def calls_per_step(mode: str, mesh: DeviceMesh, steps: int, warmup: int = 3, measure_waits: bool = False) -> tuple[float, int]:
     """Python calls per step of ``mode`` (after ``warmup`` steps, which record), and demands per step."""
     w = workload("sequential", dim=16, hidden=32, n_blocks=64, rows=4)
     model = w.make_model().shard(mesh)
-    sched = attach(model, PrefetchConfig(mode=mode)) if mode != "plain" else None
+    sched = attach(model, PrefetchConfig(mode=mode, measure_waits=measure_waits)) if mode != "plain" else None
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
 
     def step(i: int) -> None:
@@ -59,11 +62,12 @@ def main() -> None:
     torch.set_num_threads(1)
     with fake_world(8) as mesh:
         counts = {mode: calls_per_step(mode, mesh, args.steps) for mode in MODES}
+        counts[MEASURE_WAITS] = calls_per_step("record_and_replay", mesh, args.steps, measure_waits=True)
     demands = counts["record_and_replay"][1]
-    plain = counts["plain"][0]
+    plain = counts.pop("plain")[0]
     print(f"{demands} demands per step; Python calls per demand added to plain FSDP2's {plain / demands:.0f}:")
-    for mode in MODES[1:]:
-        print(f"  {mode:18s} {(counts[mode][0] - plain) / demands:6.1f}")
+    for name, (calls, _) in counts.items():
+        print(f"  {name:32s} {(calls - plain) / demands:6.1f}")
 
 
 if __name__ == "__main__":

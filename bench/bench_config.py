@@ -14,8 +14,9 @@ from fsdp_replay.config import require_at_least
 MODES = ("plain", "demand", "static", "record_and_replay")
 """``plain`` is torch's ``fully_shard`` with no scheduler attached (FSDP2's own default prefetch)."""
 WORKLOADS = ("sequential", "out_of_order", "shared_block", "checkpointed", "interleaved_1f1b")
-SUITES = ("standard", "pipeline")
-"""``standard``: ``bench.workloads`` on ``bench.world_size`` ranks; ``pipeline``: the ``pipeline`` node."""
+SUITES = ("standard", "pipeline", "explain")
+"""``standard``: ``bench.workloads`` on ``bench.world_size`` ranks; ``pipeline``: the ``pipeline`` node;
+``explain``: ``sched.explain()`` of a replayed ``record_and_replay`` step of each of ``bench.workloads``."""
 
 
 @dataclass

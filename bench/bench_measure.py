@@ -7,6 +7,10 @@ step's all-gathers and reduce-scatters, same sizes and order, no compute).
 
 ``bench_ranks`` starts the ranks; ``bench_pipeline`` measures the pipeline workload with the
 same contenders and timed step.
+
+The exposed all-gather wait of every contender, plain FSDP2 included, is measured by the
+package's own ``fsdp_replay.WaitMeter``; ``bench_probe`` counts the rest (gathers, copy-out,
+reduce-scatters, peak bytes, the collectives).
 """
 
 from __future__ import annotations
@@ -23,9 +27,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from bench_config import BenchConfig, RunConfig
+from bench_config import MODES, BenchConfig, RunConfig
 from bench_probe import FSDPProbe, unit_bytes
-from fsdp_replay import PrefetchConfig, attach
+from fsdp_replay import PrefetchConfig, WaitMeter, attach
+from fsdp_replay.stats import Demand
 from fsdp_replay.testing.distributed import fake_world
 from fsdp_replay.testing.observer import DemandObserver
 from fsdp_replay.testing.workloads import Workload, run_iteration, workload
@@ -33,6 +38,9 @@ from fsdp_replay.testing.workloads import Workload, run_iteration, workload
 SCOPE_KEY = "bench"
 OWN_COMMUNICATION = ("demand", "record_and_replay")
 """Modes whose own collectives give a bound; the others issue demand's (one gather per use)."""
+MEASURE_WAITS = "record_and_replay measure_waits"
+"""The CPU-cost run's name for ``record_and_replay`` with ``PrefetchConfig(measure_waits=True)``:
+what timing every demand's wait for ``explain()`` costs."""
 
 
 # --- one step of one mode ---------------------------------------------------------------------------
@@ -40,7 +48,8 @@ OWN_COMMUNICATION = ("demand", "record_and_replay")
 
 @dataclasses.dataclass
 class Contender:
-    """One mode's model, optimizer, scheduler (None for plain FSDP2), demand observer, and step.
+    """One mode's model, optimizer, scheduler (None for plain FSDP2), demand observer, wait meter
+    (None where waits are not measured), and step.
 
     ``iterate(step)`` runs one optimizer step's forwards and backwards and returns the losses it
     computed on this rank (the pipeline workload builds its own, in ``bench_pipeline``).
@@ -51,25 +60,36 @@ class Contender:
     optimizer: torch.optim.Optimizer
     sched: Any
     observer: DemandObserver
+    meter: WaitMeter | None
     iterate: Callable[[int], list[float]]
 
 
-def build_contender(mode: str, w: Workload, mesh: DeviceMesh, run: RunConfig) -> Contender:
+def prefetch_config(mode: str, run: RunConfig, *, measure_waits: bool = False) -> PrefetchConfig:
+    """The scheduler's config of ``mode``: the run's prefetch depths, the package's defaults otherwise."""
+    return PrefetchConfig(
+        mode=mode, forward_prefetch=run.forward_prefetch, backward_prefetch=run.backward_prefetch, measure_waits=measure_waits
+    )
+
+
+def build_contender(
+    mode: str, w: Workload, mesh: DeviceMesh, run: RunConfig, *, metered: bool = True, measure_waits: bool = False
+) -> Contender:
+    """``mode`` on a fresh model of ``w``; ``metered=False`` leaves the wait meter out (the CPU-cost
+    run times the scheduler, not the meter), ``measure_waits`` turns the scheduler's own on."""
     model = w.make_model().shard(mesh)  # make_model seeds: every mode starts from the same weights
-    sched = None
-    if mode != "plain":
-        sched = attach(
-            model,
-            PrefetchConfig(mode=mode, forward_prefetch=run.forward_prefetch, backward_prefetch=run.backward_prefetch),
-        )
+    sched = attach(model, prefetch_config(mode, run, measure_waits=measure_waits)) if mode != "plain" else None
     observer = DemandObserver(model)  # after attach: its hooks run first, so it sees FSDP2's state untouched
+    meter = WaitMeter(model) if metered else None  # after attach: it wraps the scheduler's unshard, not hidden by it
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    return Contender(mode, model, optimizer, sched, observer, lambda step: run_iteration(model, w, step))
+    return Contender(mode, model, optimizer, sched, observer, meter, lambda step: run_iteration(model, w, step))
 
 
 def release(contenders: list[Contender]) -> None:
-    """Detach every scheduler and remove every observer (the models stay usable as plain FSDP2)."""
+    """Remove every meter, then detach every scheduler (the order they were installed in reverse),
+    and remove every observer: the models stay usable as plain FSDP2."""
     for c in contenders:
+        if c.meter is not None:
+            c.meter.remove()
         if c.sched is not None:
             c.sched.detach()
         c.observer.remove()
@@ -80,12 +100,25 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def exposed_waits(waits: list[tuple[str, float]], demands: list[tuple[str, str, Demand]]) -> dict[str, Any]:
+    """A step's exposed all-gather wait from its meter's waits (``demands``: the observer's log).
+
+    The first gather of a step has nothing before it to hide behind, so the report sets its wait
+    apart; it is the first wait only if that wait is the first demanded unit's (a scheduler may
+    have hidden the first gather, and a later wait is then not the unhideable one).
+    """
+    first = waits[0][1] if waits and demands and waits[0][0] == demands[0][0] else 0.0
+    return {"exposed_gather_s": sum(s for _, s in waits), "first_exposed_s": first, "exposures": waits}
+
+
 def timed_step(c: Contender, step: int, probe: FSDPProbe | None, device: torch.device) -> dict[str, Any]:
     """One optimizer step of ``c``; barrier first so all ranks start together."""
     if probe is not None:
         probe.track(c.model)
     before = c.sched.stats.as_dict() if c.sched is not None else None
     c.observer.take()
+    if c.meter is not None:
+        c.meter.take()
     dist.barrier()
     _sync(device)
     start, cpu_start = time.perf_counter(), time.thread_time()
@@ -101,7 +134,10 @@ def timed_step(c: Contender, step: int, probe: FSDPProbe | None, device: torch.d
     record: dict[str, Any] = {"step_s": seconds, "cpu_s": cpu_seconds, "losses": losses}
     if probe is not None:
         record.update(probe.take().as_dict())
-    record["observed"] = DemandObserver.counts(c.observer.take())
+    demands = c.observer.take()
+    if c.meter is not None:
+        record.update(exposed_waits(c.meter.take(), demands))
+    record["observed"] = DemandObserver.counts(demands)
     if before is not None:
         after = c.sched.stats.as_dict()
         record["stats"] = {k: after[k] - before[k] for k in after}
@@ -256,7 +292,9 @@ def measure_cpu_cost(cfg: BenchConfig) -> dict[str, Any]:
 
     The fake backend does all of a step's work on this thread, so its CPU time is the step's cost
     without the time other processes on the machine take; each mode is compared with the plain
-    step of the same round (A B C D), and the median of those ratios is reported.
+    step of the same round (A B C D E), and the median of those ratios is reported. The fifth,
+    ``MEASURE_WAITS``, is ``record_and_replay`` timing its waits for ``explain()``. No contender has
+    the benchmark's wait meter: its cost is not the scheduler's.
     """
     cc = cfg.cpu_cost
     threads = torch.get_num_threads()
@@ -265,7 +303,9 @@ def measure_cpu_cost(cfg: BenchConfig) -> dict[str, Any]:
         with fake_world(cc.world_size) as mesh:
             w = workload("sequential", dim=cc.dim, hidden=cc.hidden, n_blocks=cc.units, rows=cc.rows)
             run = dataclasses.replace(cfg.bench, quick=False)
-            contenders = [build_contender(mode, w, mesh, run) for mode in ("plain", "demand", "static", "record_and_replay")]
+            contenders = [build_contender(mode, w, mesh, run, metered=False) for mode in MODES]
+            timing = build_contender("record_and_replay", w, mesh, run, metered=False, measure_waits=True)
+            contenders.append(dataclasses.replace(timing, mode=MEASURE_WAITS))
             times: dict[str, list[float]] = {c.mode: [] for c in contenders}
             demands = 0
             for step in range(cc.warmup_steps + cc.steps):

@@ -5,7 +5,8 @@ The stages come from ``fsdp_replay.testing.pipelines`` (every block and every ch
 stages and ``torch.distributed.pipelining`` schedule (same seed, same data), one scheduler over
 all chunks of the rank (``attach(chunks)``), and the modes are stepped in alternation with the
 standard workloads' timed step (``bench_measure.timed_step``): a barrier over all ranks, then
-``schedule.step()`` inside ``sched.iteration()``, then the optimizer step.
+``schedule.step()`` inside ``sched.iteration()``, then the optimizer step. The exposed wait is
+measured, as there, by one ``fsdp_replay.WaitMeter`` per contender over all chunks of the rank.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from bench_config import BenchConfig, PipelineConfig, RunConfig
-from bench_measure import Contender, release, timed_step
+from bench_measure import Contender, prefetch_config, release, timed_step
 from bench_probe import FSDPProbe, unit_bytes
-from fsdp_replay import PrefetchConfig, attach
+from fsdp_replay import WaitMeter, attach
 from fsdp_replay.testing.observer import DemandObserver
 from fsdp_replay.testing.pipelines import (
     PipelineSetup,
@@ -50,19 +51,17 @@ def setup_for(schedule: str, p: PipelineConfig) -> PipelineSetup:
 def build_contender(mode: str, setup: PipelineSetup, mesh: DeviceMesh, run: RunConfig) -> Contender:
     chunks, stages = build_stages(setup, mesh)  # seeded: every mode starts from the same weights
     schedule = make_schedule(setup, stages)
-    model = nn.ModuleList(chunks)  # a container for the probe and the observer; not a unit itself
-    sched = None
-    if mode != "plain":
-        config = PrefetchConfig(mode=mode, forward_prefetch=run.forward_prefetch, backward_prefetch=run.backward_prefetch)
-        sched = attach(chunks, config)
+    model = nn.ModuleList(chunks)  # a container for the probe, the observer and the meter; not a unit itself
+    sched = attach(chunks, prefetch_config(mode, run)) if mode != "plain" else None
     observer = DemandObserver(model)  # after attach: its hooks run first
+    meter = WaitMeter(model)  # after attach: it wraps the scheduler's unshard, not hidden by it
     dp_rank = mesh.get_local_rank("dp")
 
     def iterate(step: int) -> list[float]:
         x, y = pipeline_batch(setup, step, dp_rank)
         return [loss.item() for loss in schedule_step(schedule, stages, x, y)]
 
-    return Contender(mode, model, torch.optim.SGD(model.parameters(), lr=1e-3), sched, observer, iterate)
+    return Contender(mode, model, torch.optim.SGD(model.parameters(), lr=1e-3), sched, observer, meter, iterate)
 
 
 def measure_schedule(setup: PipelineSetup, mesh: DeviceMesh, run: RunConfig, probe: FSDPProbe) -> dict[str, Any]:

@@ -1,20 +1,22 @@
-"""FSDP2 instrumentation for the benchmark only: time blocked on parameters, reduce-scatter time,
-peak unsharded bytes, and the sequence of collectives a step issues.
+"""FSDP2 instrumentation for the benchmark only: gathers issued, their issue and copy-out time,
+reduce-scatter time, peak unsharded bytes, and the sequence of collectives a step issues.
 
-FSDP2 has no public hook for "how long did this unit wait for its all-gather". The benchmark
-therefore wraps three FSDP2 internals while :meth:`FSDPProbe.installed` is active, and restores
-them on exit. That is acceptable in a measurement harness; the product (``fsdp_replay``) never
-patches FSDP2.
+The exposed all-gather wait is not measured here: the benchmark takes it from the package's own
+``fsdp_replay.WaitMeter``, one per contender (``bench_measure``). What is left has no public hook
+in FSDP2, so the benchmark wraps three FSDP2 internals while :meth:`FSDPProbe.installed` is
+active, and restores them on exit. That is acceptable in a measurement harness; the product
+(``fsdp_replay``) patches only instances, never FSDP2's classes. Install the probe before any
+contender is built: the scheduler's and the meter's instance wrappers call ``unshard`` as it was
+when they were installed.
 
-- ``FSDPParamGroup.unshard``: an ``async_op=False`` gather (plain FSDP2's default on CPU, also for
-  its backward prefetch) blocks the compute thread for the whole collective: all of it is exposed
-  wait. An ``async_op=True`` gather only launches (copy-in): counted as issue cost, not wait.
-- ``foreach_all_gather_copy_out`` (as imported by ``_fsdp_param_group``): the ``Work.wait()`` of an
-  async gather happens at its start; we wait first, timed, so the wait and the copy-out are split.
+- ``FSDPParamGroup.unshard``: counts the gathers FSDP2 issues (and logs them); an ``async_op=True``
+  gather only launches there (copy-in), timed as issue cost. ``wait_for_unshard`` only samples the
+  unsharded bytes.
+- ``foreach_all_gather_copy_out`` (as imported by ``_fsdp_param_group``): it starts with the
+  ``Work.wait()`` of an async gather; we wait first, untimed (the meter times it where a use
+  blocks), so ``copy_out_s`` is the copy alone.
 - ``foreach_reduce`` (as imported by ``_fsdp_param_group``): the post-backward reduce-scatter, which
   is synchronous on CPU.
-
-Exposed all-gather wait of a step = blocking gathers + waits on async gathers.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Iterator
 
 import torch.distributed as dist
@@ -37,10 +39,6 @@ from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 class StepCounters:
     """What the probe saw during one step on this rank (seconds, bytes, counts)."""
 
-    exposed_gather_s: float = 0.0
-    """Compute thread blocked on an all-gather: synchronous gathers plus waits on async ones."""
-    first_exposed_s: float = 0.0
-    """The part of ``exposed_gather_s`` spent on the step's first gather (it cannot be hidden)."""
     issue_s: float = 0.0
     """Launching async all-gathers (copy-in); CPU time, not waiting."""
     copy_out_s: float = 0.0
@@ -52,14 +50,9 @@ class StepCounters:
     reduce_scatters: int = 0
     peak_unsharded_bytes: int = 0
     """Maximum, over the step, of the bytes of units that are unsharded or have a gather pending."""
-    exposures: list[tuple[str, float]] = field(default_factory=list)
-    """``(unit fqn, seconds)`` of every exposed gather, in order: where the wait is."""
-    _seen_exposure: bool = field(default=False, repr=False)
 
     def as_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.pop("_seen_exposure")
-        return d
+        return asdict(self)
 
 
 class FSDPProbe:
@@ -86,20 +79,6 @@ class FSDPProbe:
         return step
 
     # --- events --------------------------------------------------------------------------------
-
-    def _exposed(self, group: FSDPParamGroup | None, seconds: float) -> None:
-        self.step.exposed_gather_s += seconds
-        name = (group._module_fqn or "<root>") if group is not None else "?"
-        self.step.exposures.append((name, seconds))
-        if not self.step._seen_exposure:
-            self.step._seen_exposure = True
-            self.step.first_exposed_s = seconds
-
-    def _owner(self, fsdp_params: Any) -> FSDPParamGroup | None:
-        for group, _ in self._groups:
-            if group.fsdp_params is fsdp_params:
-                return group
-        return None
 
     def _sample(self) -> None:
         live = sum(b for g, b in self._groups if g.is_unsharded or g._all_gather_result is not None)
@@ -132,10 +111,8 @@ class FSDPProbe:
                 return  # FSDP2 declined: already pending/unsharded, or no unshard in backward
             probe.step.gathers += 1
             probe._log("AG", group)
-            if group._all_gather_result.all_gather_work is None:
-                probe._exposed(group, seconds)  # synchronous: the whole collective ran on this thread
-            else:
-                probe.step.issue_s += seconds
+            if group._all_gather_result.all_gather_work is not None:
+                probe.step.issue_s += seconds  # async: launched only (a synchronous one is a wait: the meter's)
             probe._sample()
 
         @functools.wraps(orig_wait)
@@ -147,9 +124,7 @@ class FSDPProbe:
         def copy_out(result: Any, fsdp_params: Any, group: Any, **kwargs: Any) -> None:  # 2.15 adds a keyword
             work = result.all_gather_work
             if isinstance(work, dist.distributed_c10d.Work):
-                start = time.perf_counter()
-                work.wait()  # the original waits again: a no-op on a completed Work
-                probe._exposed(probe._owner(fsdp_params), time.perf_counter() - start)
+                work.wait()  # not copy-out; the original waits again: a no-op on a completed Work
             start = time.perf_counter()
             orig_copy_out(result, fsdp_params, group, **kwargs)
             probe.step.copy_out_s += time.perf_counter() - start

@@ -1,4 +1,5 @@
-"""Start the measuring ranks of a run: the standard workloads (``bench_measure``) or the pipeline (``bench_pipeline``).
+"""Start the measuring ranks of a run: the standard workloads (``bench_measure``), the pipeline
+(``bench_pipeline``) or the explained workloads (``bench_explain``).
 
 Also runnable as a script, which is how ``bench/bench.py`` starts the ranks inside the
 rate-limited network namespace::
@@ -15,6 +16,7 @@ from typing import Any
 
 import torch
 
+import bench_explain
 import bench_measure
 import bench_pipeline
 from bench_config import BenchConfig
@@ -22,12 +24,15 @@ from fsdp_replay.testing.distributed import spawn
 
 
 def run_ranks(cfg: BenchConfig, out_dir: Path) -> list[dict[str, Any]]:
-    """All ranks of the measured run: NCCL on GPUs when present, else gloo on CPU (the pipeline: gloo always)."""
+    """All ranks of the measured run: NCCL on GPUs when present, else gloo on CPU (the pipeline and
+    explain suites: gloo always)."""
     run = cfg.bench
     if cfg.suite == "pipeline":
         return spawn(
             bench_pipeline.measure_rank, cfg.to_dict(), world_size=cfg.pipeline.world_size, timeout_s=run.timeout_s
         )
+    if cfg.suite == "explain":
+        return spawn(bench_explain.measure_rank, cfg.to_dict(), str(out_dir), world_size=run.world_size, timeout_s=run.timeout_s)
     if torch.cuda.is_available():
         world = min(run.world_size, torch.cuda.device_count())
         if world < 2:

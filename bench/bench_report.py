@@ -380,6 +380,23 @@ def render_pipeline(report: dict[str, Any]) -> str:
     )
 
 
+def render_explain(report: dict[str, Any]) -> str:
+    """The generated section of ``suite=explain``: rank 0's ``explain()`` of each workload, as printed."""
+    run = report["config"]["bench"]
+    parts = _run_lines(report) + [
+        f"Model: {run['n_blocks']} blocks of dim {run['dim']}, hidden {run['hidden']}, {run['rows']} rows per "
+        f"microbatch; `record_and_replay` with `measure_waits=True`, forward/backward prefetch "
+        f"{run['forward_prefetch']}/{run['backward_prefetch']}; the report is of step {run['warmup_steps']} (the first "
+        f"replayed step after {run['warmup_steps']} warmup steps, the first of which records). Run took {report['wall_s']:.0f} s.",
+        "",
+    ]
+    for name, explained in report["explain"].items():
+        parts += [f"`print(sched.explain())`, {name}, rank 0 (step {_ms(explained['step_s'])} ms):", "", "```text", explained["text"], "```", ""]
+        if explained["plot"]:
+            parts += [f"![explain() timeline of {name}, rank 0]({explained['plot']})", ""]
+    return "\n".join(parts)
+
+
 def update_markdown(path: Path, section: str, device: str) -> None:
     """Replace the generated region of ``path`` for ``device`` (cpu or cuda), creating it if absent."""
     begin, end = RESULTS_BEGIN.format(device=device), RESULTS_END.format(device=device)

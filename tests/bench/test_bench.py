@@ -7,20 +7,30 @@ is removed afterwards.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from fsdp_replay import WaitMeter
+from fsdp_replay.testing.distributed import spawn
+from fsdp_replay.testing.workloads import workload
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "bench"
 sys.path.insert(0, str(BENCH))
 
+import bench_measure  # noqa: E402
 import bench_netns  # noqa: E402
-from bench_config import MODES, WORKLOADS  # noqa: E402
+from bench_config import MODES, WORKLOADS, RunConfig  # noqa: E402
+from bench_probe import FSDPProbe, StepCounters  # noqa: E402
 
 
 def _namespaces() -> set[str]:
@@ -55,6 +65,13 @@ def _run_bench(run_dir: Path, *overrides: str) -> tuple[dict, str, set[str]]:
 def quick_run(tmp_path_factory) -> tuple[dict, Path, str, set[str]]:
     run_dir = tmp_path_factory.mktemp("bench")
     report, stdout, leaked = _run_bench(run_dir)
+    return report, run_dir, stdout, leaked
+
+
+@pytest.fixture(scope="module")
+def explain_run(tmp_path_factory) -> tuple[dict, Path, str, set[str]]:
+    run_dir = tmp_path_factory.mktemp("bench_explain")
+    report, stdout, leaked = _run_bench(run_dir, "suite=explain", "bench.workloads=[checkpointed]")
     return report, run_dir, stdout, leaked
 
 
@@ -122,7 +139,7 @@ def test_cpu_cost_and_targets_are_reported(quick_run):
     report = quick_run[0]
     cost = report["cpu_cost"]
     assert cost["world_size"] == 8 and cost["demands_per_step"] > cost["units"]
-    assert set(cost["overhead_vs_plain"]) == {"demand", "static", "record_and_replay"}
+    assert set(cost["overhead_vs_plain"]) == {"demand", "static", "record_and_replay", bench_measure.MEASURE_WAITS}
     assert any(t["target"].startswith("scheduler CPU cost") for t in report["targets"])
 
 
@@ -133,6 +150,29 @@ def test_rate_limited_namespace_is_used_as_root_and_removed(quick_run):
         assert not leaked
     else:
         assert not report["rate_limited"] and "plain loopback" in report["interconnect"]
+
+
+def _plain_fsdp2_step(mesh: DeviceMesh) -> dict[str, Any]:
+    """One timed step of the benchmark's plain-FSDP2 contender (quick sizes) under the probe."""
+    run = RunConfig(quick=True)
+    w = workload("sequential", dim=run.dim, hidden=run.hidden, n_blocks=run.n_blocks, rows=run.rows)
+    probe = FSDPProbe()
+    with probe.installed():
+        c = bench_measure.build_contender("plain", w, mesh, run)
+        record = bench_measure.timed_step(c, 0, probe, torch.device("cpu"))
+        bench_measure.release([c])
+    return dict(record, metered=isinstance(c.meter, WaitMeter))
+
+
+def test_exposed_wait_is_measured_by_the_wait_meter_not_the_probe():
+    assert not {"exposed_gather_s", "first_exposed_s", "exposures"} & {f.name for f in dataclasses.fields(StepCounters)}
+    for record in spawn(_plain_fsdp2_step, world_size=2):
+        assert record["metered"] and record["gathers"] > 0
+        # plain FSDP2 gathers synchronously on CPU: every use that gathers blocks, the root's first
+        waits = record["exposures"]
+        assert len(waits) == record["gathers"] and waits[0][0] == "<root>", waits
+        assert record["exposed_gather_s"] == pytest.approx(sum(s for _, s in waits)) and record["exposed_gather_s"] > 0
+        assert record["first_exposed_s"] == waits[0][1]
 
 
 @pytest.mark.skipif(bench_netns.available() is not None, reason="creating a network namespace needs root and iproute2")
@@ -174,3 +214,19 @@ def test_pipeline_modes_issue_no_more_all_gathers_than_plain_and_compute_the_sam
         rr = sch["modes"]["record_and_replay"]
         assert rr["misses"] == 0 and rr["divergences"] == 0, name
         assert sch["losses_equal"], name
+
+
+# --- suite=explain: rank 0's explain() of a replayed checkpointed step --------------------------------
+
+
+def test_explain_run_prints_the_report_and_publishes_its_picture_next_to_the_markdown(explain_run):
+    report, run_dir, stdout, leaked = explain_run
+    explained = report["explain"]["checkpointed"]
+    assert "fsdp_replay explain 'bench': replay scope, completed" in explained["text"] and "blocked" in explained["text"]
+    assert explained["text"] in stdout and not leaked
+    assert explained["total_wait_s"] == pytest.approx(sum(row["wait_s"] for row in explained["rows"]))
+    assert {row["phase"] for row in explained["rows"]} == {"forward", "backward", "recompute"}
+    md = (run_dir / "BENCHMARKS.md").read_text()
+    assert "hand-written analysis stays" in md and "<!-- bench:results:explain:cpu -->" in md
+    pytest.importorskip("matplotlib")
+    assert "](docs/explain_checkpointed.png)" in md and (run_dir / "docs" / "explain_checkpointed.png").stat().st_size > 0
