@@ -79,7 +79,7 @@ def build_contender(
     model = w.make_model().shard(mesh)  # make_model seeds: every mode starts from the same weights
     sched = attach(model, prefetch_config(mode, run, measure_waits=measure_waits)) if mode != "plain" else None
     observer = DemandObserver(model)  # after attach: its hooks run first, so it sees FSDP2's state untouched
-    meter = WaitMeter(model) if metered else None  # after attach: it wraps the scheduler's unshard, not hidden by it
+    meter = WaitMeter(model) if metered else None
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     return Contender(mode, model, optimizer, sched, observer, meter, lambda step: run_iteration(model, w, step))
 

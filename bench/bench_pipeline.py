@@ -54,7 +54,7 @@ def build_contender(mode: str, setup: PipelineSetup, mesh: DeviceMesh, run: RunC
     model = nn.ModuleList(chunks)  # a container for the probe, the observer and the meter; not a unit itself
     sched = attach(chunks, prefetch_config(mode, run)) if mode != "plain" else None
     observer = DemandObserver(model)  # after attach: its hooks run first
-    meter = WaitMeter(model)  # after attach: it wraps the scheduler's unshard, not hidden by it
+    meter = WaitMeter(model)
     dp_rank = mesh.get_local_rank("dp")
 
     def iterate(step: int) -> list[float]:

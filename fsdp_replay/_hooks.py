@@ -89,6 +89,8 @@ class HookSet:
         """Whether the end of backward comes from FSDP2's own callback (its internals are available)."""
         self._intercepted_states: list[weakref.ref] = []
         """Every FSDP2 state under the root: their shadowed methods are removed by ``remove``."""
+        self._timers: list[tuple[weakref.ref, Any]] = []
+        """Each unit state whose waits are timed, and its timer (``measure_waits``)."""
 
     def __len__(self) -> int:
         return len(self._handles)
@@ -97,9 +99,12 @@ class HookSet:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for ref, timer in self._timers:
+            if (state := ref()) is not None:
+                _compat.stop_timing_waits(state, timer)
+        self._timers.clear()
         for ref in self._intercepted_states:
             if (state := ref()) is not None:
-                _compat.stop_timing_waits(state)  # first: it wraps the interception of unshard
                 _compat.stop_reporting_pre_backward(state)
                 _compat.stop_intercepting_group_calls(state)
                 _compat.stop_intercepting_backward_end(state)
@@ -134,9 +139,11 @@ class HookSet:
     def time_waits(self, unit: Unit, waits: DemandWaits) -> bool:
         """Time each of ``unit``'s uses that blocks on its parameters (``measure_waits``); call after
         :meth:`register_unit`. False without FSDP2's internals."""
-        return _compat.time_waits(
-            unit.state, functools.partial(waits.waited, unit), functools.partial(waits.waited_on_device, unit)
-        )
+        state = unit.state
+        timer = _compat.time_waits(state, functools.partial(waits.waited, unit), functools.partial(waits.waited_on_device, unit))
+        if timer is not None:
+            self._timers.append((weakref.ref(state), timer))
+        return timer is not None
 
     def register_root(self, root: nn.Module) -> None:
         """Register last, so scopes open before demands (see [Note: hook order and the end of backward])."""

@@ -81,9 +81,8 @@ class DemandWaits:
 class WaitMeter:
     """How long each use of each FSDP2 unit under ``root`` blocked on its all-gather.
 
-    Works on plain FSDP2 (no scheduler needed) and beside a scheduler. Remove it (or leave its
-    ``with`` block) before attaching or detaching a scheduler on the same model, so that each
-    restores FSDP2's methods in the order they were wrapped.
+    Works on plain FSDP2 (no scheduler needed) and beside a scheduler, attached before or after it,
+    with or without ``measure_waits``: each timer of a unit is told of the same waits.
 
     Raises:
         RuntimeError: FSDP2's internals are not used on this torch (see ``PublicAPIFallbackWarning``),
@@ -93,16 +92,16 @@ class WaitMeter:
     def __init__(self, root: nn.Module) -> None:
         if not _compat.INTERNALS_OK:
             raise RuntimeError("WaitMeter needs FSDP2's internals, which are not used on this torch (see the PublicAPIFallbackWarning)")
-        self._units = discover_units(root)
-        if not self._units:
+        units = discover_units(root)
+        if not units:
             raise ValueError(f"WaitMeter: no fully_shard unit with parameters under {type(root).__name__}")
         self._log = WaitLog()
-        for unit in self._units:
-            _compat.time_waits(
-                unit.state,
-                functools.partial(self._waited, unit.fqn),
-                functools.partial(self._waited_on_device, unit.fqn),
-            )
+        self._timers = [
+            (unit, _compat.time_waits(
+                unit.state, functools.partial(self._waited, unit.fqn), functools.partial(self._waited_on_device, unit.fqn)
+            ))
+            for unit in units
+        ]
 
     def _waited(self, fqn: str, seconds: float) -> None:
         self._log.add(fqn, seconds)
@@ -116,11 +115,11 @@ class WaitMeter:
         return log.seconds()
 
     def remove(self) -> None:
-        """Put FSDP2's methods back as they were before the meter."""
-        for unit in self._units:
+        """Stop timing; FSDP2's methods are as they were once nothing else of fsdp_replay uses them."""
+        for unit, timer in self._timers:
             if (state := unit.state_or_none()) is not None:
-                _compat.stop_timing_waits(state)
-        self._units = []
+                _compat.stop_timing_waits(state, timer)
+        self._timers = []
 
     def __enter__(self) -> WaitMeter:
         return self

@@ -14,6 +14,8 @@ The modules, by concern (callers use the names re-exported here, ``_compat.<name
 - ``gathers``: issuing and releasing all-gathers, FSDP2's lazy init and recovery;
 - ``intercept``: FSDP2's methods seen as they happen, with
   ``[Note: fsdp_replay never owns FSDP2's settings]``, and FSDP2's own prefetch turned off;
+- ``shadows``: the one set of instance attributes on each param group, shared by the interception
+  and every wait timer;
 - ``waits``: FSDP2's own unshard and wait of a use, timed (``measure_waits``, ``WaitMeter``);
 - ``public``: what the public-API fallback reads and holds instead of FSDP2's internals.
 """

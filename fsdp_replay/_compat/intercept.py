@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 import torch
 from torch.autograd import Variable
 
 from fsdp_replay._compat.guard import INTERNALS_OK
+from fsdp_replay._compat.shadows import GroupShadow, Interception, OtherPartyCall
 from fsdp_replay._compat.state import in_backward
 
 if INTERNALS_OK:
@@ -63,9 +64,6 @@ def stop_reporting_pre_backward(state: Any) -> None:
 # would leave it.
 
 
-OtherPartyCall = Literal["reshard", "unshard", "reset"]
-"""A call on a unit's FSDP2 state made by someone other than FSDP2's lifecycle or the scheduler."""
-
 _PIPELINING = f"{os.sep}torch{os.sep}distributed{os.sep}pipelining{os.sep}"
 
 
@@ -85,75 +83,27 @@ def other_party(call: OtherPartyCall) -> str:
 def intercept_group_calls(
     state: Any, *, skip_lifecycle_reshard: Callable[[], bool], on_other_party: Callable[[OtherPartyCall], None]
 ) -> bool:
-    """Shadow FSDP2's per-group lifecycle methods with instance attributes that report to the scheduler.
+    """Report FSDP2's per-group lifecycle reshards and other parties' calls to the scheduler.
 
     ``skip_lifecycle_reshard()`` is asked when FSDP2's own post-forward or post-backward is about
     to reshard the group (only where its current settings make that a real reshard); True skips
     it. ``on_other_party(call)`` is told of every ``reshard``, ``unshard`` or ``_reset_iter_state``
     that is neither FSDP2's forward/backward lifecycle nor the scheduler's own (which calls the
-    class methods directly). See [Note: fsdp_replay never owns FSDP2's settings].
-    False where FSDP2's internals are not available.
+    class methods directly). See [Note: fsdp_replay never owns FSDP2's settings] and the group's
+    :class:`~fsdp_replay._compat.shadows.GroupShadow`. False where FSDP2's internals are not available.
     """
     if not INTERNALS_OK:
         return False
     for group in state._fsdp_param_groups:
-        _intercept_group(state, group, skip_lifecycle_reshard, on_other_party)
+        GroupShadow.of(state, group).interception = Interception(skip_lifecycle_reshard, on_other_party)
     return True
-
-
-_INTERCEPTED = ("post_forward", "post_backward", "reshard", "unshard", "_reset_iter_state")
-
-
-def _intercept_group(
-    state: Any,
-    group: Any,
-    skip_lifecycle_reshard: Callable[[], bool],
-    on_other_party: Callable[[OtherPartyCall], None],
-) -> None:
-    cls = type(group)  # FSDP2's methods are looked up at call time, so a later patch of the class still runs
-    in_lifecycle = [False]  # inside FSDP2's post_forward/post_backward of this group
-
-    def lifecycle(name: str) -> Callable[..., Any]:
-        def call(*args: Any) -> Any:
-            in_lifecycle[0] = True
-            try:
-                return getattr(cls, name)(group, *args)
-            finally:
-                in_lifecycle[0] = False
-
-        return call
-
-    def reshard() -> None:
-        if in_lifecycle[0]:
-            # After a forward FSDP2 reshards only while post_forward_mesh_info is set; after a
-            # backward it calls reshard only while reshard_after_backward holds.
-            real = group._training_state is not TrainingState.FORWARD or group.post_forward_mesh_info is not None
-            if real and skip_lifecycle_reshard():
-                return
-        else:
-            on_other_party("reshard")
-        cls.reshard(group)
-
-    def unshard(async_op: bool = False) -> None:
-        # FSDP2's own unshards come from pre-forward, pre-backward and recompute, when the unit's
-        # state is FORWARD or PRE_BACKWARD; from an idle unit it is someone else's call.
-        if state._training_state is TrainingState.IDLE:
-            on_other_party("unshard")
-        cls.unshard(group, async_op)
-
-    def reset_iter_state() -> None:
-        on_other_party("reset")
-        cls._reset_iter_state(group)
-
-    group.post_forward, group.post_backward = lifecycle("post_forward"), lifecycle("post_backward")
-    group.reshard, group.unshard, group._reset_iter_state = reshard, unshard, reset_iter_state
 
 
 def stop_intercepting_group_calls(state: Any) -> None:
     for group in state._fsdp_param_groups if INTERNALS_OK else ():
-        for name in _INTERCEPTED:
-            group.__dict__.pop(name, None)
-
+        if (shadow := group.__dict__.get("_fsdp_replay_shadow")) is not None:
+            shadow.interception = None
+            shadow.release_if_unused()
 
 
 def intercept_backward_end(state: Any, on_backward_end: Callable[[bool], None]) -> bool:
