@@ -92,6 +92,7 @@ OFF_ORDER = Why(MissReason.after_divergence, "this demand left the recorded orde
 """A replay's miss off its order: the scheduler learns from :meth:`Replay.on_demand` whether it
 diverged there or realigned (the prefix rule) and says which."""
 _BYTE_CAP = Why(MissReason.byte_cap, "max_prefetch_bytes would be exceeded")
+_DEPTH_REACHED = Why(MissReason.depth, "the depth's gathers were already in flight")
 _DECLINED = Why(MissReason.declined, "a gradient reduction was pending, or FSDP2 does not unshard in backward")
 
 
@@ -252,7 +253,7 @@ class Replay:
                 continue  # resident or gathering already (accumulation settings, a user's unshard)
             in_use = standing is Standing.in_use
             if not in_use and gathers >= ahead.gathers:
-                self._stop = (entry, Why(MissReason.depth, f"{gathers} gathers already in flight"))
+                self._stop = (entry, _DEPTH_REACHED)
                 return  # the next demand frees a slot
             if not window.fits(unit):
                 self._stop = (entry, _BYTE_CAP)

@@ -46,7 +46,10 @@ class Interception:
         self.on_other_party = on_other_party
 
 
-_SHADOWED = ("post_forward", "post_backward", "reshard", "unshard", "wait_for_unshard", "_reset_iter_state")
+_SHADOWED = ("reshard", "unshard", "_reset_iter_state")
+_LIFECYCLE = ("post_forward", "post_backward")
+_TIMED = "wait_for_unshard"
+"""Shadowed only while a timer is registered: a use costs no extra call otherwise."""
 _ATTRIBUTE = "_fsdp_replay_shadow"
 
 
@@ -61,10 +64,11 @@ class GroupShadow:
         """Inside FSDP2's post_forward/post_backward of this group."""
         self.interception: Interception | None = None
         self.timers: list[Timer] = []
-        cls = type(group)  # FSDP2's methods are looked up at call time, so a later patch of the class still runs
-        self._cls = cls
+        self._cls = type(group)  # FSDP2's methods are looked up at call time, so a later patch of the class still runs
         for name in _SHADOWED:
             setattr(group, name, getattr(self, name))
+        for name in _LIFECYCLE:
+            setattr(group, name, self._lifecycle(name))
         setattr(group, _ATTRIBUTE, self)
 
     @staticmethod
@@ -72,25 +76,35 @@ class GroupShadow:
         """The group's shadow, installed at first use."""
         return group.__dict__.get(_ATTRIBUTE) or GroupShadow(state, group)
 
+    def add_timer(self, timer: Timer) -> None:
+        self.timers.append(timer)
+        self._group.wait_for_unshard = self.wait_for_unshard
+
+    def remove_timer(self, timer: Timer) -> None:
+        self.timers.remove(timer)
+        if not self.timers:
+            self._group.__dict__.pop(_TIMED, None)
+        self.release_if_unused()
+
     def release_if_unused(self) -> None:
         if self.interception is None and not self.timers:
-            for name in (*_SHADOWED, _ATTRIBUTE):
+            for name in (*_SHADOWED, *_LIFECYCLE, _TIMED, _ATTRIBUTE):
                 self._group.__dict__.pop(name, None)
 
     # --- the shadowed methods -----------------------------------------------------------------------
 
-    def post_forward(self, *args: Any) -> Any:
-        return self._lifecycle(self._cls.post_forward, args)
+    def _lifecycle(self, name: str) -> Callable[..., Any]:
+        """FSDP2's ``post_forward``/``post_backward``, noting that the reshards inside are its own."""
+        cls, group = self._cls, self._group
 
-    def post_backward(self, *args: Any) -> Any:
-        return self._lifecycle(self._cls.post_backward, args)
+        def call(*args: Any) -> Any:
+            self._in_lifecycle = True
+            try:
+                return getattr(cls, name)(group, *args)
+            finally:
+                self._in_lifecycle = False
 
-    def _lifecycle(self, method: Callable[..., Any], args: tuple[Any, ...]) -> Any:
-        self._in_lifecycle = True
-        try:
-            return method(self._group, *args)
-        finally:
-            self._in_lifecycle = False
+        return call
 
     def reshard(self) -> None:
         group, interception = self._group, self.interception
@@ -125,7 +139,7 @@ class GroupShadow:
     def wait_for_unshard(self) -> None:
         group = self._group
         result = group._all_gather_result
-        if not self.timers or result is None or group._training_state not in _USE_STATES:
+        if result is None or group._training_state not in _USE_STATES:
             return self._cls.wait_for_unshard(group)
         work = result.all_gather_work
         running = isinstance(work, dist.distributed_c10d.Work) and not work.is_completed()

@@ -88,6 +88,11 @@ def device(state: Any) -> torch.device:
 
 def classify_demand(state: Any) -> Demand:
     """How a demand finds the unit: a gather pending (hit), unsharded (resident), or neither (miss)."""
+    if INTERNALS_OK and len(groups := state._fsdp_param_groups) == 1:  # the common case, in one call
+        group = groups[0]
+        if group._all_gather_result is not None:
+            return Demand.hit
+        return Demand.resident if group.is_unsharded else Demand.miss
     if is_pending(state):
         if not INTERNALS_OK:
             del public.pending[state]  # FSDP2's pre-hook waits on it now
@@ -195,7 +200,7 @@ def graph_task_id() -> int:
 
 def in_backward() -> bool:
     """Inside an autograd graph task: a forward here is activation-checkpoint recompute."""
-    return graph_task_id() != -1
+    return torch._C._current_graph_task_id() != -1  # not through graph_task_id(): this runs per demand
 
 
 def grad_tensors(tree: Any) -> Iterator[torch.Tensor]:

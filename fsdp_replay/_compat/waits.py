@@ -25,12 +25,11 @@ def time_waits(state: Any, waited: Waited, waited_on_device: WaitedOnDevice) -> 
         return None
     timer = (waited, waited_on_device)
     for group in state._fsdp_param_groups:
-        GroupShadow.of(state, group).timers.append(timer)
+        GroupShadow.of(state, group).add_timer(timer)
     return timer
 
 
 def stop_timing_waits(state: Any, timer: Timer) -> None:
     for group in state._fsdp_param_groups if INTERNALS_OK else ():
         if (shadow := group.__dict__.get("_fsdp_replay_shadow")) is not None and timer in shadow.timers:
-            shadow.timers.remove(timer)
-            shadow.release_if_unused()
+            shadow.remove_timer(timer)
