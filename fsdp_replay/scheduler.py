@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 from typing import Any, Iterator, Sequence
@@ -21,11 +22,12 @@ from fsdp_replay import _checkpoint, _compat
 from fsdp_replay._automatic import AUTO_KEYS, AutomaticScopes, automatic_key
 from fsdp_replay._hooks import HookSet
 from fsdp_replay._adaptive import AdaptiveDepth
-from fsdp_replay._order import Cursor, Phase, RecordedOrders
-from fsdp_replay._ranks import RankMismatchError, agree_on_max, check_across_ranks
+from fsdp_replay._order import Phase, RecordedOrders
+from fsdp_replay._ranks import RankMismatchError, agree_on_max
 from fsdp_replay._roots import Roots
 from fsdp_replay._scope import OFF_ORDER, Scope
-from fsdp_replay._strategies import DEMAND_ONLY, Record, Replay, ScopeMode, Static, Strategy, gather_at_demand, static_successors
+from fsdp_replay._modes import ScopeModes
+from fsdp_replay._strategies import Record, Replay, ScopeMode, gather_at_demand
 from fsdp_replay._timeline import FinishedScope, Timeline
 from fsdp_replay._units import Unit
 from fsdp_replay._weak import OptimizerSteps, prefetch_counter
@@ -53,7 +55,6 @@ class PrefetchScheduler:
         if not self.units:
             names = ", ".join(type(root).__name__ for root in roots)
             raise ValueError(f"attach(): no fully_shard unit with parameters under {names}")
-        self._static_successors = static_successors(self.units)
         self._orders = RecordedOrders()
         self._scope: Scope | None = None
         self._depths = AdaptiveDepth(
@@ -65,6 +66,7 @@ class PrefetchScheduler:
         self._hooks = HookSet(self)
         can_keep = all([self._hooks.register_unit(unit) for unit in self.units])
         self._window = PrefetchWindow(max_bytes=config.max_prefetch_bytes, can_keep=can_keep)
+        self._modes = ScopeModes(config, self.units, self._orders, self._depths, self._window, functools.partial(prefetch_counter, self))
         self._finished: dict[str, FinishedScope] = {}
         """The last finished scope of each key, for ``explain()``."""
         measure = config.measure_waits or self._depths.adaptive
@@ -377,7 +379,7 @@ class PrefetchScheduler:
     # --- scopes ----------------------------------------------------------------------------------
 
     def _begin_scope(self, key: str, *, explicit: bool, rerecord: bool = False) -> Scope:
-        scope = Scope(key=key, explicit=explicit, strategy=self._strategy_for(key, rerecord=rerecord))
+        scope = Scope(key=key, explicit=explicit, strategy=self._modes.strategy_for(key, rerecord=rerecord))
         self._scope = scope
         self._window.timeline = scope.timeline
         if self._waits is not None:
@@ -390,26 +392,6 @@ class PrefetchScheduler:
         # An automatic scope opens inside the root's pre-forward, which is already its first
         # demand: that demand gathers at the point of use, and replay starts from there.
         return scope
-
-    def _strategy_for(self, key: str, *, rerecord: bool) -> Strategy:
-        """The mode of a new scope of ``key``: the configured mode, and for record-and-replay
-        whether the key has an order to replay."""
-        mode = self.config.mode
-        if mode is PrefetchMode.demand:
-            return DEMAND_ONLY
-        count_prefetch = prefetch_counter(self, key)
-        if mode is PrefetchMode.static:
-            return Static(self._static_successors, self._depths.of(key), self._window, count_prefetch)
-        if rerecord:
-            self._orders.drop(key, reason="rerecord=True")
-        order = self._orders.get(key)
-        if order is None:
-            return Record(len(self.units))
-        if self.config.check_ranks and self._orders.needs_check(key):
-            check_across_ranks(key, self._orders, [unit.state for unit in self.units])
-        may_skip_prefix = self._orders.first_replay(key)
-        depth = self._depths.of(key)
-        return Replay(Cursor(order, depth=depth), self._window, count_prefetch, may_skip_prefix=may_skip_prefix)
 
     def _close_auto_scope(self, scope: Scope) -> None:
         """An automatic scope still open at the next root forward or optimizer step."""
