@@ -4,6 +4,7 @@
     python bench/bench.py bench.quick=true                           # CI smoke run (~1 min)
     python bench/bench.py suite=pipeline bench.update_benchmarks_md=BENCHMARKS.md   # pipeline parallelism
     python bench/bench.py suite=explain 'bench.workloads=[checkpointed]'           # where a replayed step waits
+    python bench/bench.py suite=depths bench.update_benchmarks_md=BENCHMARKS.md    # auto beside fixed depths
 
 One run measures every workload of ``bench.workloads`` in every mode (plain FSDP2, demand, static,
 record_and_replay), stepping the modes in alternation, then the compute-only and
@@ -13,6 +14,10 @@ on pp x dp gloo ranks, every mode, as ratios to plain FSDP2 (``bench_pipeline``;
 ``suite=explain`` prints rank 0's ``sched.explain()`` of the first replayed ``record_and_replay``
 step of each of ``bench.workloads``, with ``measure_waits=True``, and draws its timeline
 (``bench_explain``; CPU only; with ``bench.update_benchmarks_md`` the pictures go to ``docs/``).
+``suite=depths`` steps plain, demand and ``record_and_replay`` at each prefetch depth of
+``bench.depths`` (default 1, 2, 3, auto; both phases) in alternation on every workload, with
+``DEPTH_SETTLE_STEPS`` more warmup steps for ``auto`` to settle, and reports each one's ratio to
+demand and to the best fixed depth, and the depth each ran with (no bound, no CPU cost).
 
 On CPU as root, both ranks run inside a network namespace whose loopback is rate limited
 (``netns.rate``, tbf), so communication costs wall time as on a cluster link; the namespace is
@@ -126,7 +131,7 @@ def main(cfg: DictConfig) -> None:
     overrides = " ".join(HydraConfig.get().overrides.task)
     command = f"python bench/bench.py {overrides}".strip()
     standard = job.suite == "standard"
-    device = "cuda" if torch.cuda.is_available() and standard else "cpu"
+    device = "cuda" if torch.cuda.is_available() and job.suite in ("standard", "depths") else "cpu"
     load_before = os.getloadavg()
     namespaced, interconnect = use_namespace(job, device)
     print(f"bench/bench.py: {device}, interconnect: {interconnect or 'rate-limited namespace ' + job.netns.rate}", flush=True)
@@ -156,6 +161,13 @@ def main(cfg: DictConfig) -> None:
         report["pipeline"] = bench_report.summarize_pipeline(ranks, job.bench.modes)
         report["plot"] = None
         section = bench_report.render_pipeline(report)
+    elif job.suite == "depths":
+        contenders = list(job.bench.contenders(job.suite))
+        report["workloads"] = workloads = bench_report.summarize(ranks, contenders)
+        bench_report.compare_depths(workloads, job.bench.depths)
+        report["targets"] = bench_report.check_depth_targets(workloads, job.bench.depths)
+        report["plot"] = None
+        section = bench_report.render_depths(report)
     elif job.suite == "explain":
         report["explain"] = ranks[0]["explain"]
         report["plot"] = None

@@ -14,9 +14,19 @@ from fsdp_replay.config import require_at_least
 MODES = ("plain", "demand", "static", "record_and_replay")
 """``plain`` is torch's ``fully_shard`` with no scheduler attached (FSDP2's own default prefetch)."""
 WORKLOADS = ("sequential", "out_of_order", "shared_block", "checkpointed", "interleaved_1f1b")
-SUITES = ("standard", "pipeline", "explain")
+SUITES = ("standard", "pipeline", "explain", "depths")
 """``standard``: ``bench.workloads`` on ``bench.world_size`` ranks; ``pipeline``: the ``pipeline`` node;
-``explain``: ``sched.explain()`` of a replayed ``record_and_replay`` step of each of ``bench.workloads``."""
+``explain``: ``sched.explain()`` of a replayed ``record_and_replay`` step of each of ``bench.workloads``;
+``depths``: plain, demand and ``record_and_replay`` at each of ``bench.depths``, on ``bench.workloads``."""
+AUTO = "auto"
+DEPTH_SETTLE_STEPS = 6
+"""``suite=depths`` steps every contender this many more warmup steps than ``bench.warmup_steps``: an
+``auto`` depth starts at 1 and tries one step deeper per scope (keeping or undoing it the next)."""
+
+
+def depth_contender(depth: str) -> str:
+    """The name ``suite=depths`` gives ``record_and_replay`` at prefetch ``depth`` in both phases."""
+    return f"record_and_replay depth {depth}"
 
 
 @dataclass
@@ -44,6 +54,9 @@ class RunConfig:
     """``torch.set_num_threads`` per rank; gloo needs a core of its own to overlap (2 cores: 1)."""
     forward_prefetch: int = 1
     backward_prefetch: int = 1
+    depths: list[str] = field(default_factory=lambda: ["1", "2", "3", AUTO])
+    """``suite=depths``: the prefetch depths (both phases) ``record_and_replay`` runs at side by side;
+    whole numbers >= 0 and ``auto``. The other suites use ``forward_prefetch``/``backward_prefetch``."""
     bound_steps: int = 5
     """Repetitions of the compute-only and communication-only runs (median)."""
     profile: bool = False
@@ -69,6 +82,21 @@ class RunConfig:
             raise ValueError("RunConfig.modes must include plain and demand (the ratios are relative to them)")
         if not self.workloads:
             raise ValueError("RunConfig.workloads must name at least one workload")
+        self.depths = [str(d) for d in self.depths]
+        bad = [d for d in self.depths if d != AUTO and not (d.isdigit() and d.isascii())]
+        if bad or not self.depths or len(set(self.depths)) != len(self.depths):
+            raise ValueError(
+                f"RunConfig.depths: got {self.depths} (bad: {', '.join(map(repr, bad)) or 'empty or repeated'}); "
+                f"give distinct prefetch depths, each a whole number >= 0 or {AUTO!r}"
+            )
+
+    def contenders(self, suite: str) -> dict[str, tuple[str, int | str | None]]:
+        """What ``suite`` steps in alternation: name -> (mode, depth of both phases; None: the
+        configured ``forward_prefetch``/``backward_prefetch``)."""
+        if suite != "depths":
+            return {mode: (mode, None) for mode in self.modes}
+        fixed = {"plain": ("plain", None), "demand": ("demand", None)}
+        return fixed | {depth_contender(d): ("record_and_replay", d if d == AUTO else int(d)) for d in self.depths}
 
 
 @dataclass

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from bench_config import MODES, BenchConfig, RunConfig
+from bench_config import AUTO, DEPTH_SETTLE_STEPS, MODES, BenchConfig, RunConfig
 from bench_probe import FSDPProbe, unit_bytes
 from fsdp_replay import PrefetchConfig, WaitMeter, attach
 from fsdp_replay.stats import Demand
@@ -53,6 +53,8 @@ class Contender:
 
     ``iterate(step)`` runs one optimizer step's forwards and backwards and returns the losses it
     computed on this rank (the pipeline workload builds its own, in ``bench_pipeline``).
+    ``mode`` names the contender in the results: its prefetch mode, or in ``suite=depths``
+    ``depth_contender(depth)``.
     """
 
     mode: str
@@ -62,26 +64,48 @@ class Contender:
     observer: DemandObserver
     meter: WaitMeter | None
     iterate: Callable[[int], list[float]]
+    waits_from_explain: bool = False
+    """The exposed wait comes from the scheduler's own timing (``sched.explain()``), not a meter."""
 
 
-def prefetch_config(mode: str, run: RunConfig, *, measure_waits: bool = False) -> PrefetchConfig:
-    """The scheduler's config of ``mode``: the run's prefetch depths, the package's defaults otherwise."""
-    return PrefetchConfig(
-        mode=mode, forward_prefetch=run.forward_prefetch, backward_prefetch=run.backward_prefetch, measure_waits=measure_waits
-    )
+def prefetch_config(
+    mode: str, run: RunConfig, *, depth: int | str | None = None, measure_waits: bool = False
+) -> PrefetchConfig:
+    """The scheduler's config of ``mode``: ``depth`` in both phases (None: the run's prefetch depths),
+    the package's defaults otherwise."""
+    forward, backward = (run.forward_prefetch, run.backward_prefetch) if depth is None else (depth, depth)
+    return PrefetchConfig(mode=mode, forward_prefetch=forward, backward_prefetch=backward, measure_waits=measure_waits)
 
 
 def build_contender(
-    mode: str, w: Workload, mesh: DeviceMesh, run: RunConfig, *, metered: bool = True, measure_waits: bool = False
+    mode: str,
+    w: Workload,
+    mesh: DeviceMesh,
+    run: RunConfig,
+    *,
+    name: str | None = None,
+    depth: int | str | None = None,
+    metered: bool = True,
+    measure_waits: bool = False,
 ) -> Contender:
-    """``mode`` on a fresh model of ``w``; ``metered=False`` leaves the wait meter out (the CPU-cost
-    run times the scheduler, not the meter), ``measure_waits`` turns the scheduler's own on."""
+    """``mode`` on a fresh model of ``w``, called ``name`` (default: the mode) in the results, at
+    prefetch ``depth`` (see ``prefetch_config``); ``metered=False`` leaves the wait meter out (the
+    CPU-cost run times the scheduler, not the meter), ``measure_waits`` turns the scheduler's own on.
+
+    An ``auto`` depth gets no meter: the meter, wrapped around the scheduler's own timing, would
+    take every async wait before the scheduler sees it, and the depth would never leave 1 (what
+    ``bench_explain`` says of ``measure_waits``). Its exposed wait is then the scheduler's own
+    measurement of the same waits (``explain()`` rows), taken with the same ``_compat`` timing.
+    """
+    waits_from_explain = metered and depth == AUTO
+    metered = metered and not waits_from_explain
     model = w.make_model().shard(mesh)  # make_model seeds: every mode starts from the same weights
-    sched = attach(model, prefetch_config(mode, run, measure_waits=measure_waits)) if mode != "plain" else None
+    sched = attach(model, prefetch_config(mode, run, depth=depth, measure_waits=measure_waits)) if mode != "plain" else None
     observer = DemandObserver(model)  # after attach: its hooks run first, so it sees FSDP2's state untouched
     meter = WaitMeter(model) if metered else None
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    return Contender(mode, model, optimizer, sched, observer, meter, lambda step: run_iteration(model, w, step))
+    iterate = lambda step: run_iteration(model, w, step)  # noqa: E731
+    return Contender(name or mode, model, optimizer, sched, observer, meter, iterate, waits_from_explain)
 
 
 def release(contenders: list[Contender]) -> None:
@@ -116,6 +140,7 @@ def timed_step(c: Contender, step: int, probe: FSDPProbe | None, device: torch.d
     if probe is not None:
         probe.track(c.model)
     before = c.sched.stats.as_dict() if c.sched is not None else None
+    depth = c.sched.prefetch_depth(SCOPE_KEY) if c.sched is not None else None  # what this step runs with
     c.observer.take()
     if c.meter is not None:
         c.meter.take()
@@ -137,10 +162,14 @@ def timed_step(c: Contender, step: int, probe: FSDPProbe | None, device: torch.d
     demands = c.observer.take()
     if c.meter is not None:
         record.update(exposed_waits(c.meter.take(), demands))
+    elif c.waits_from_explain:
+        rows = c.sched.explain(SCOPE_KEY).rows
+        record.update(exposed_waits([(row.unit, row.wait_s) for row in rows if row.wait_s], demands))
     record["observed"] = DemandObserver.counts(demands)
     if before is not None:
         after = c.sched.stats.as_dict()
         record["stats"] = {k: after[k] - before[k] for k in after}
+        record["depth"] = depth
     return record
 
 
@@ -206,19 +235,28 @@ def comm_only(log: list[tuple[str, int, Any]], run: RunConfig, device: torch.dev
 
 
 def measure_workload(
-    mesh: DeviceMesh, w: Workload, run: RunConfig, probe: FSDPProbe, device: torch.device, out_dir: Path
+    mesh: DeviceMesh,
+    w: Workload,
+    run: RunConfig,
+    probe: FSDPProbe,
+    device: torch.device,
+    out_dir: Path,
+    specs: dict[str, tuple[str, int | str | None]],
+    warmup_steps: int,
 ) -> dict[str, Any]:
-    contenders = [build_contender(mode, w, mesh, run) for mode in run.modes]
+    """Step the contenders of ``specs`` (``RunConfig.contenders``) in alternation, ``warmup_steps``
+    then ``run.steps`` timed, then measure the bound."""
+    contenders = [build_contender(mode, w, mesh, run, name=name, depth=depth) for name, (mode, depth) in specs.items()]
     records: dict[str, list[dict[str, Any]]] = {c.mode: [] for c in contenders}
     # The collectives of step 1 (the first replayed scope): demand's (one gather per non-resident
     # demand, one reduce-scatter per backward use) are what plain, demand and static must do;
     # record_and_replay's own are fewer where it keeps a unit unsharded for its next use.
-    comm_logs: dict[str, list[tuple[str, int, Any]]] = {m: [] for m in OWN_COMMUNICATION if m in run.modes}
-    for step in range(run.warmup_steps + run.steps):
+    comm_logs: dict[str, list[tuple[str, int, Any]]] = {m: [] for m in OWN_COMMUNICATION if m in specs}
+    for step in range(warmup_steps + run.steps):
         for c in contenders:
             probe.comm_log = comm_logs.get(c.mode) if step == 1 else None
             record = timed_step(c, step, probe, device)
-            if step >= run.warmup_steps:
+            if step >= warmup_steps:
                 records[c.mode].append(record)
     probe.comm_log = None
     result: dict[str, Any] = {
@@ -229,9 +267,14 @@ def measure_workload(
             c.mode: len(c.sched.recorded_order(SCOPE_KEY) or []) for c in contenders if c.mode == "record_and_replay"
         }.get("record_and_replay"),
         "collectives": {m: [(k, n, str(d)) for k, n, d in log] for m, log in comm_logs.items()},
+        "warmup_steps": warmup_steps,
+        # the (forward, backward) depth each prefetching contender's next scope would run with, after the last step
+        "final_depth": {
+            c.mode: c.sched.prefetch_depth(SCOPE_KEY) for c in contenders if specs[c.mode][0] == "record_and_replay"
+        },
     }
     if run.profile:
-        result["profile"] = {c.mode: profile_step(c, w, run.warmup_steps + run.steps, device, out_dir) for c in contenders}
+        result["profile"] = {c.mode: profile_step(c, w, warmup_steps + run.steps, device, out_dir) for c in contenders}
     release(contenders)
     del contenders
     gc.collect()
@@ -270,6 +313,8 @@ def measure_rank(mesh: DeviceMesh, cfg_dict: dict[str, Any], out_dir: str) -> di
     torch.set_num_threads(run.threads)
     device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
     probe = FSDPProbe()
+    specs = run.contenders(cfg.suite)
+    warmup_steps = run.warmup_steps + (DEPTH_SETTLE_STEPS if cfg.suite == "depths" else 0)
     results: dict[str, Any] = {}
     with probe.installed():
         for name in run.workloads:
@@ -278,7 +323,7 @@ def measure_rank(mesh: DeviceMesh, cfg_dict: dict[str, Any], out_dir: str) -> di
                 base = w.make_batch
                 w = dataclasses.replace(w, make_batch=lambda s, mb, base=base: base(s, mb).to(device))
             start = time.perf_counter()
-            results[name] = measure_workload(mesh, w, run, probe, device, Path(out_dir))
+            results[name] = measure_workload(mesh, w, run, probe, device, Path(out_dir), specs, warmup_steps)
             if dist.get_rank() == 0:
                 print(f"bench: {name} measured in {time.perf_counter() - start:.1f} s", flush=True)
     return {"rank": dist.get_rank(), "backend": dist.get_backend(), "workloads": results}

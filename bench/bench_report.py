@@ -15,6 +15,9 @@ TARGET_IRREGULAR = 1.15
 IRREGULAR = ("out_of_order", "shared_block")
 TARGET_HIDDEN = 0.80
 TARGET_CPU_COST = 0.05
+# Targets of issue 15 (suite=depths): auto within 3% of the best fixed depth; checkpointed >= 1.25x demand.
+TARGET_AUTO_VS_BEST_FIXED = 0.97
+AUTO_VS_DEMAND_WORKLOAD = "checkpointed"
 
 RESULTS_BEGIN = "<!-- bench:results:{device} -->"
 RESULTS_END = "<!-- /bench:results:{device} -->"
@@ -77,6 +80,7 @@ def _mode_figures(steps: list[list[dict[str, Any]]]) -> dict[str, Any]:
         "divergences": sum(max(r["stats"]["divergences"] for r in s) for s in steps) if scheduled else None,
         "peak_unsharded_bytes": max(r["peak_unsharded_bytes"] for s in steps for r in s),
         "losses": [[loss for r in s for loss in r["losses"]] for s in steps],
+        "depth_per_step": [s[0]["depth"] for s in steps] if scheduled else None,  # rank 0's; all ranks agree
         "exposed_by_unit_ms": _exposed_by_unit([s[0]["exposures"] for s in steps]),
     }
 
@@ -124,8 +128,46 @@ def summarize(ranks: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]:
             "bounds": bounds,
             "profile": w0.get("profile"),
             "losses_equal": all(figures[m]["losses"] == figures[modes[0]]["losses"] for m in modes),
+            "warmup_steps": w0["warmup_steps"],
+            "final_depth": w0["final_depth"],
         }
     return out
+
+
+def compare_depths(workloads: dict[str, Any], depths: list[str]) -> None:
+    """``suite=depths``: add to each contender its ratio to the best fixed depth of its workload
+    (best median / its median, above 1: faster; NaN without a fixed depth)."""
+    from bench_config import AUTO, depth_contender
+
+    fixed = [depth_contender(d) for d in depths if d != AUTO]
+    for w in workloads.values():
+        best = min(fixed, key=lambda name: w["modes"][name]["median_step_s"]) if fixed else None
+        w["best_fixed_depth"] = best
+        for f in w["modes"].values():
+            f["vs_best_fixed_depth"] = w["modes"][best]["median_step_s"] / f["median_step_s"] if best else float("nan")
+
+
+def check_depth_targets(workloads: dict[str, Any], depths: list[str]) -> list[dict[str, Any]]:
+    """Issue 15's targets for ``auto`` (when ``depths`` has it): within 3% of the best fixed depth
+    on every workload, and >= 1.25x demand on the checkpointed one."""
+    from bench_config import AUTO, depth_contender
+
+    rows: list[dict[str, Any]] = []
+    if AUTO not in depths:
+        return rows
+    auto = depth_contender(AUTO)
+    for name, w in workloads.items():
+        f = w["modes"][auto]
+        if w["best_fixed_depth"] is not None:
+            value = f["vs_best_fixed_depth"]
+            rows.append({"target": f"auto vs best fixed depth ({w['best_fixed_depth'].split()[-1]}), not >3% slower",
+                         "workload": name, "value": value, "threshold": TARGET_AUTO_VS_BEST_FIXED,
+                         "met": value >= TARGET_AUTO_VS_BEST_FIXED})
+        if name == AUTO_VS_DEMAND_WORKLOAD:
+            value = f["speedup_vs_demand"]
+            rows.append({"target": "auto speedup vs demand", "workload": name, "value": value,
+                         "threshold": TARGET_VS_DEMAND, "met": value >= TARGET_VS_DEMAND})
+    return rows
 
 
 def _bound(compute: float, per_rank: list[list[dict[str, float]]], collectives: int) -> dict[str, Any]:
@@ -292,6 +334,29 @@ def targets_table(targets: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _depth(depth: list[int] | tuple[int, int] | None) -> str:
+    return "-" if depth is None else f"{depth[0]}/{depth[1]}"
+
+
+def depths_table(workloads: dict[str, Any], contenders: list[str]) -> str:
+    lines = [
+        "| workload | contender | median step ms (IQR) | x demand | x best fixed depth | exposed AG wait ms | "
+        "peak unsharded MiB | depth fwd/bwd in timed steps (after) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, w in workloads.items():
+        for contender in contenders:
+            f = w["modes"][contender]
+            after = w["final_depth"].get(contender)  # only for record_and_replay: the others do not prefetch
+            timed = " → ".join(dict.fromkeys(_depth(d) for d in f["depth_per_step"] or [None])) if after else "-"
+            lines.append(
+                f"| {name} | {contender} | {_ms(f['median_step_s'])} ({_ms(f['q1_step_s'])}-{_ms(f['q3_step_s'])}) | "
+                f"{f['speedup_vs_demand']:.2f} | {f['vs_best_fixed_depth']:.2f} | {_ms(f['exposed_gather_s'])} | "
+                f"{_mb(f['peak_unsharded_bytes'])} | {timed}{f' ({_depth(after)})' if after else ''} |"
+            )
+    return "\n".join(lines)
+
+
 def pipeline_table(schedules: dict[str, Any], modes: list[str]) -> str:
     lines = [
         "| schedule | mode | all-gathers per rank (x plain) | exposed AG wait ms (x plain) | peak unsharded MiB (x plain) "
@@ -375,6 +440,34 @@ def render_pipeline(report: dict[str, Any]) -> str:
             f"maximum over ranks and steps. Losses identical in every mode: {'yes' if equal else '**no**'}.",
             "",
             pipeline_table(schedules, run["modes"]),
+            "",
+        ]
+    )
+
+
+def render_depths(report: dict[str, Any]) -> str:
+    """The generated section of ``suite=depths``: every contender of every workload, and the targets."""
+    run = report["config"]["bench"]
+    workloads = report["workloads"]
+    contenders = list(next(iter(workloads.values()))["modes"])
+    warmup = next(iter(workloads.values()))["warmup_steps"]
+    equal = all(w["losses_equal"] for w in workloads.values())
+    return "\n".join(
+        _run_lines(report)
+        + [
+            f"Model: {run['n_blocks']} blocks of dim {run['dim']}, hidden {run['hidden']}, {run['rows']} rows per "
+            f"microbatch; {warmup} warmup steps ({run['warmup_steps']} + {warmup - run['warmup_steps']} for `auto` to "
+            f"settle) + {run['steps']} timed steps per contender, alternating {', '.join(contenders)}; "
+            f"`record_and_replay depth d` runs `forward_prefetch=backward_prefetch=d`, no byte cap "
+            f"(`max_prefetch_bytes=None`). Run took {report['wall_s']:.0f} s.",
+            "",
+            "x best fixed depth: the fastest fixed depth's median step time / this one's (below 1: slower). Depth: "
+            "rank 0's `sched.prefetch_depth()` at each timed step (every distinct value in order), and after the last "
+            f"(all ranks agree by construction). Losses identical in every contender: {'yes' if equal else '**no**'}.",
+            "",
+            depths_table(workloads, contenders),
+            "",
+            targets_table(report["targets"]),
             "",
         ]
     )

@@ -29,7 +29,7 @@ sys.path.insert(0, str(BENCH))
 
 import bench_measure  # noqa: E402
 import bench_netns  # noqa: E402
-from bench_config import MODES, WORKLOADS, RunConfig  # noqa: E402
+from bench_config import DEPTH_SETTLE_STEPS, MODES, WORKLOADS, RunConfig, depth_contender  # noqa: E402
 from bench_probe import FSDPProbe, StepCounters  # noqa: E402
 
 
@@ -72,6 +72,13 @@ def quick_run(tmp_path_factory) -> tuple[dict, Path, str, set[str]]:
 def explain_run(tmp_path_factory) -> tuple[dict, Path, str, set[str]]:
     run_dir = tmp_path_factory.mktemp("bench_explain")
     report, stdout, leaked = _run_bench(run_dir, "suite=explain", "bench.workloads=[checkpointed]")
+    return report, run_dir, stdout, leaked
+
+
+@pytest.fixture(scope="module")
+def depths_run(tmp_path_factory) -> tuple[dict, Path, str, set[str]]:
+    run_dir = tmp_path_factory.mktemp("bench_depths")
+    report, stdout, leaked = _run_bench(run_dir, "suite=depths", "bench.workloads=[sequential,checkpointed]")
     return report, run_dir, stdout, leaked
 
 
@@ -230,3 +237,37 @@ def test_explain_run_prints_the_report_and_publishes_its_picture_next_to_the_mar
     assert "hand-written analysis stays" in md and "<!-- bench:results:explain:cpu -->" in md
     pytest.importorskip("matplotlib")
     assert "](docs/explain_checkpointed.png)" in md and (run_dir / "docs" / "explain_checkpointed.png").stat().st_size > 0
+
+
+# --- suite=depths: record_and_replay at depths 1, 2, 3 and auto beside plain and demand ---------------
+
+
+def test_depths_run_reports_every_depth_and_auto_with_the_depth_it_ran_at(depths_run):
+    report, run_dir, stdout, leaked = depths_run
+    table = (run_dir / "table.md").read_text()
+    assert table.strip() in stdout and not leaked
+    contenders = ["plain", "demand"] + [depth_contender(d) for d in ("1", "2", "3", "auto")]
+    for name, w in report["workloads"].items():
+        assert list(w["modes"]) == contenders and w["losses_equal"], name
+        for d in (1, 2, 3):  # a fixed depth runs at that depth in both phases, every step
+            assert w["final_depth"][depth_contender(str(d))] == [d, d], name
+            assert f"| {name} | {depth_contender(str(d))} |" in table
+        auto = w["modes"][depth_contender("auto")]
+        forward, backward = w["final_depth"][depth_contender("auto")]
+        assert forward >= 1 and backward >= 1 and all(len(depth) == 2 for depth in auto["depth_per_step"]), name
+        assert f"| {name} | record_and_replay depth auto |" in table and f"({forward}/{backward}) |" in table
+        best = w["modes"][w["best_fixed_depth"]]
+        assert best["vs_best_fixed_depth"] == 1 and auto["vs_best_fixed_depth"] > 0, name
+        assert w["warmup_steps"] == report["config"]["bench"]["warmup_steps"] + DEPTH_SETTLE_STEPS, name
+    assert {t["workload"] for t in report["targets"]} == set(report["workloads"])
+    assert any(t["target"] == "auto speedup vs demand" for t in report["targets"])
+    md = (run_dir / "BENCHMARKS.md").read_text()
+    assert "hand-written analysis stays" in md and "<!-- bench:results:depths:cpu -->" in md
+    assert "<!-- bench:results:cpu -->" not in md  # the standard region is left alone
+
+
+@pytest.mark.parametrize(("depths", "bad"), [(["1", "Auto"], "'Auto'"), (["-1", "auto"], "'-1'"), (["2", "2"], "repeated")])
+def test_depths_reject_anything_but_whole_numbers_and_auto_naming_the_bad_value(depths, bad):
+    with pytest.raises(ValueError, match=r"RunConfig.depths: got .*whole number >= 0 or 'auto'") as err:
+        RunConfig(depths=depths)
+    assert f"(bad: {bad}" in str(err.value) or bad in str(err.value)
