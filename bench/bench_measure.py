@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from bench_config import AUTO, DEPTH_SETTLE_STEPS, MODES, BenchConfig, RunConfig
+from bench_config import DEPTH_SETTLE_STEPS, MODES, BenchConfig, RunConfig
 from bench_probe import FSDPProbe, unit_bytes
 from fsdp_replay import PrefetchConfig, WaitMeter, attach
 from fsdp_replay.stats import Demand
@@ -64,8 +64,6 @@ class Contender:
     observer: DemandObserver
     meter: WaitMeter | None
     iterate: Callable[[int], list[float]]
-    waits_from_explain: bool = False
-    """The exposed wait comes from the scheduler's own timing (``sched.explain()``), not a meter."""
 
 
 def prefetch_config(
@@ -91,21 +89,15 @@ def build_contender(
     """``mode`` on a fresh model of ``w``, called ``name`` (default: the mode) in the results, at
     prefetch ``depth`` (see ``prefetch_config``); ``metered=False`` leaves the wait meter out (the
     CPU-cost run times the scheduler, not the meter), ``measure_waits`` turns the scheduler's own on.
-
-    An ``auto`` depth gets no meter: the meter, wrapped around the scheduler's own timing, would
-    take every async wait before the scheduler sees it, and the depth would never leave 1 (what
-    ``bench_explain`` says of ``measure_waits``). Its exposed wait is then the scheduler's own
-    measurement of the same waits (``explain()`` rows), taken with the same ``_compat`` timing.
+    A meter beside an ``auto`` depth's own timing sees the same waits (one shadow per param group).
     """
-    waits_from_explain = metered and depth == AUTO
-    metered = metered and not waits_from_explain
     model = w.make_model().shard(mesh)  # make_model seeds: every mode starts from the same weights
     sched = attach(model, prefetch_config(mode, run, depth=depth, measure_waits=measure_waits)) if mode != "plain" else None
     observer = DemandObserver(model)  # after attach: its hooks run first, so it sees FSDP2's state untouched
     meter = WaitMeter(model) if metered else None
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     iterate = lambda step: run_iteration(model, w, step)  # noqa: E731
-    return Contender(name or mode, model, optimizer, sched, observer, meter, iterate, waits_from_explain)
+    return Contender(name or mode, model, optimizer, sched, observer, meter, iterate)
 
 
 def release(contenders: list[Contender]) -> None:
@@ -162,9 +154,6 @@ def timed_step(c: Contender, step: int, probe: FSDPProbe | None, device: torch.d
     demands = c.observer.take()
     if c.meter is not None:
         record.update(exposed_waits(c.meter.take(), demands))
-    elif c.waits_from_explain:
-        rows = c.sched.explain(SCOPE_KEY).rows
-        record.update(exposed_waits([(row.unit, row.wait_s) for row in rows if row.wait_s], demands))
     record["observed"] = DemandObserver.counts(demands)
     if before is not None:
         after = c.sched.stats.as_dict()
