@@ -85,7 +85,9 @@ def _observed(mesh, mode: str, png_dir: str) -> list[dict]:
     # No reduce-scatter: it would make the ranks meet after each backward use, and whether a
     # gather issued just before it has finished would be a race between gloo's threads.
     model.set_requires_gradient_sync(False)
-    sched = attach(model, PrefetchConfig(mode=mode, measure_waits=True))
+    # No rank check either: its collective at the first replay's start would line the ranks up just
+    # before rank 1's first use, and whether that gather had finished would again be a race.
+    sched = attach(model, PrefetchConfig(mode=mode, measure_waits=True, check_ranks=False))
     observer = DemandObserver(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     steps = []
