@@ -114,10 +114,8 @@ class AdaptiveDepth:
         ))
 
     def scope_ended(self, key: str, waits: ScopeWaits | None) -> None:
-        """Agree on what the scope saw and decide ``key``'s next depth; call at every scope end on
-        every rank (``waits`` None where the scope did not prefetch to its end)."""
-        if not self.adaptive:
-            return
+        """Agree on what the scope saw and decide ``key``'s next depth; where :attr:`adaptive`, call
+        at every scope end on every rank (``waits`` None where the scope did not prefetch to its end)."""
         mine = [0] * 6 if waits is None else [
             1, round(waits.scope_s * 1e6), *(round(w * 1e6) for w in waits.waited_s), *map(int, waits.capped)
         ]

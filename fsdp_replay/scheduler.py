@@ -430,7 +430,7 @@ class PrefetchScheduler:
         waits = self._waits.take() if self._waits is not None else None
         self._finished[scope.key] = scope.finished(outcome, waits)
         self._window.timeline = Timeline()
-        if not failed:
+        if not failed and self._depths.adaptive:  # reading the waits syncs on CUDA: only where they decide
             self._depths.scope_ended(scope.key, scope.waits_by_phase(waits))
 
     def _agree_on_max(self, values: list[int]) -> list[int]:

@@ -101,7 +101,7 @@ def intercept_group_calls(
 
 def stop_intercepting_group_calls(state: Any) -> None:
     for group in state._fsdp_param_groups if INTERNALS_OK else ():
-        if (shadow := group.__dict__.get("_fsdp_replay_shadow")) is not None:
+        if (shadow := GroupShadow.installed(group)) is not None:
             shadow.interception = None
             shadow.release_if_unused()
 

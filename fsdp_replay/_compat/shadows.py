@@ -74,7 +74,12 @@ class GroupShadow:
     @staticmethod
     def of(state: Any, group: Any) -> GroupShadow:
         """The group's shadow, installed at first use."""
-        return group.__dict__.get(_ATTRIBUTE) or GroupShadow(state, group)
+        return GroupShadow.installed(group) or GroupShadow(state, group)
+
+    @staticmethod
+    def installed(group: Any) -> GroupShadow | None:
+        """The group's shadow if anyone uses it now."""
+        return group.__dict__.get(_ATTRIBUTE)
 
     def add_timer(self, timer: Timer) -> None:
         self.timers.append(timer)

@@ -31,5 +31,5 @@ def time_waits(state: Any, waited: Waited, waited_on_device: WaitedOnDevice) -> 
 
 def stop_timing_waits(state: Any, timer: Timer) -> None:
     for group in state._fsdp_param_groups if INTERNALS_OK else ():
-        if (shadow := group.__dict__.get("_fsdp_replay_shadow")) is not None and timer in shadow.timers:
+        if (shadow := GroupShadow.installed(group)) is not None and timer in shadow.timers:
             shadow.remove_timer(timer)
