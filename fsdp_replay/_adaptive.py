@@ -6,8 +6,10 @@ per demand), then every rank runs the same decision on those same figures, so al
 same depth and issue the same all-gathers in the same order: a rank-local timing never changes
 what is gathered. Per phase, from depth 1:
 
-- a significant wait tries one step deeper; if that cut the wait by at least a fifth it stays
-  (and may go on), otherwise it goes back and never tries deeper again (the depth stays put);
+- a significant wait tries one step deeper; if that cut the wait by at least a fifth, and by a
+  significant amount itself, it stays (and may go on), otherwise it goes back and never tries
+  deeper again (the depth stays put). The second test stops a long climb on gains inside one
+  scope's timing noise, each bought with one more unit's bytes;
 - a refill the byte cap stopped means the cap cannot hold this depth: one step back, and no deeper;
 - with nothing left to wait for, a depth above what a wait was seen at steps back to give memory
   back (after the key's order is recorded again, or the cap changed, what was learnt is forgotten).
@@ -26,11 +28,13 @@ logger = logging.getLogger("fsdp_replay")
 AUTO = "auto"
 
 SIGNIFICANT_SHARE = 0.02
-"""A phase's wait is worth a deeper prefetch above this share of the scope's wall time..."""
+"""A phase's wait is worth a deeper prefetch above this share of the scope's wall time (and a
+step deeper is worth its bytes where it won back as much)..."""
 SIGNIFICANT_S = 1e-4
 """...and above this many seconds."""
 IMPROVED = 0.8
-"""One step deeper is kept where it brought the wait below this share of what it was."""
+"""One step deeper is kept where it brought the wait below this share of what it was (and won
+back a significant wait)."""
 IDLE_SHARE = 0.002
 """Below this share of the scope's time nothing is left to hide."""
 
@@ -73,7 +77,7 @@ class _Phase:
                 if self._significant(waited_s, scope_s):
                     self.depth, self.floor = shallower, shallower
                 return
-            if waited_s >= IMPROVED * its_wait:
+            if waited_s >= IMPROVED * its_wait or not self._significant(its_wait - waited_s, scope_s):
                 self.depth = self.ceiling = shallower
                 return
             self.floor = self.depth

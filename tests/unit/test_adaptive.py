@@ -44,6 +44,14 @@ def test_a_step_deeper_that_does_not_help_is_undone_and_not_tried_again():
     assert seen[:2] == [2, 1] and set(seen[2:]) == {1}
 
 
+def test_a_step_deeper_must_win_back_a_significant_wait_not_only_a_fifth():
+    depths = AdaptiveDepth("auto", 1, deepest=8, agree=_alone)
+    # Each step deeper cuts a 4 ms wait by a quarter, 1 ms of a 100 ms scope: inside one scope's
+    # timing noise, so the depth goes back to 1 rather than climbing a unit's bytes at a time.
+    seen = _run(depths, lambda d: 0.004 * 0.75 ** (d - 1), 20)
+    assert seen[:2] == [2, 1] and set(seen[2:]) == {1}, seen
+
+
 def test_noisy_waits_change_the_depth_a_bounded_number_of_times():
     rng = random.Random(0)
     depths = AdaptiveDepth("auto", 1, deepest=8, agree=_alone)
