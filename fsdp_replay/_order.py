@@ -28,10 +28,10 @@ class Phase(enum.Enum):
     recompute = "recompute"
     """A forward re-run during backward by activation checkpointing."""
 
-    @property
-    def in_forward(self) -> bool:
-        """Recompute happens inside backward, so it prefetches with the backward depth."""
-        return self is Phase.forward
+    def __init__(self, value: str) -> None:
+        self.in_forward = value == "forward"
+        """Recompute happens inside backward, so it prefetches with the backward depth. (A plain
+        attribute, read per demand: a property or an Enum member lookup costs several times more.)"""
 
 
 class Depth(NamedTuple):
@@ -288,6 +288,19 @@ class Cursor:
 
     def advance(self) -> None:
         self.position += 1
+
+    def take(self, unit: Unit, phase: Phase) -> bool:
+        """Advance past the expected entry if it is ``(unit, phase)``; False (and no move) otherwise.
+
+        :attr:`expected`, :meth:`Entry.matches` and :meth:`advance` in one call: this runs per demand.
+        """
+        position = self.position
+        if position < len(self._entries):
+            entry = self._entries[position]
+            if entry.unit is unit and entry.phase is phase:
+                self.position = position + 1
+                return True
+        return False
 
     def end_backward(self) -> None:
         self.segment += 1

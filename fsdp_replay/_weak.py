@@ -25,10 +25,11 @@ def prefetch_counter(scheduler: Any, key: str) -> Callable[[], None]:
     """Counts a prefetch in the scheduler's stats of the moment (``reset_stats()`` replaces them),
     holding it weakly; allocates nothing per call (a bound method or ``*args`` would feed the GC)."""
     ref = weakref.ref(scheduler)
+    prefetches = Count.prefetches  # read per prefetch: a local, not an Enum member lookup
 
     def count() -> None:
         if (live := ref()) is not None:
-            live.stats.count(key, Count.prefetches)
+            live.stats.count(key, prefetches)
 
     return count
 

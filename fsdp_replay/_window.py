@@ -20,6 +20,8 @@ class Held(enum.Enum):
     """It is in use now and FSDP2's reshard at the end of that use is skipped."""
 
 
+_PREFETCHED, _KEPT, _PROVIDED = Held.prefetched, Held.kept, Event.provided
+"""Read per demand: a global is several times quicker to read than an Enum member (Python 3.11)."""
 _NO_KEEPS = Why(MissReason.public_fallback, "without FSDP2's internals its reshards cannot be skipped, so a unit in use is not kept")
 _STALE = Why(MissReason.cannot_keep, "its unsharded values predate the last optimizer step")
 
@@ -61,8 +63,8 @@ class PrefetchWindow:
     def holds(self, unit: Unit) -> Held | None:
         """How the unit's next demand is already provided for, if it is."""
         if unit in self._prefetched:
-            return Held.prefetched
-        return Held.kept if unit in self._kept else None
+            return _PREFETCHED
+        return _KEPT if unit in self._kept else None
 
     def units(self, held: Held) -> list[Unit]:
         """The units held one way, in the order they joined the window."""
@@ -92,7 +94,7 @@ class PrefetchWindow:
             return False
         self._prefetched[unit] = None
         self._bytes_ahead += unit.unsharded_bytes
-        self.timeline.append((Event.provided, unit, Held.prefetched))
+        self.timeline.append((_PROVIDED, unit, _PREFETCHED))
         return True
 
     def why_not_kept(self, unit: Unit) -> Why | None:
@@ -123,7 +125,7 @@ class PrefetchWindow:
         (when it finalizes a backward).
         """
         held = self.take(unit)
-        if missed or held is Held.prefetched:
+        if missed or held is _PREFETCHED:
             self._gathered.add(unit)  # not a gather someone else left pending: that may predate a step
         return held
 
@@ -143,10 +145,10 @@ class PrefetchWindow:
         """
         if unit in self._prefetched:
             del self._prefetched[unit]
-            held = Held.prefetched
+            held = _PREFETCHED
         elif unit in self._kept:
             del self._kept[unit]
-            held = Held.kept
+            held = _KEPT
         else:
             return None
         self._bytes_ahead -= unit.unsharded_bytes

@@ -39,6 +39,9 @@ from fsdp_replay.waits import DemandWaits
 
 logger = logging.getLogger("fsdp_replay")
 
+_MISS, _DEMAND_MODE = Demand.miss, ScopeMode.demand
+"""Read per demand: a global is several times quicker to read than an Enum member (Python 3.11)."""
+
 
 class PrefetchDivergenceError(RuntimeError):
     """A replayed scope left its recorded order while ``on_divergence="raise"``."""
@@ -294,9 +297,10 @@ class PrefetchScheduler:
         key = scope.key if scope is not None else None
         demand = _compat.classify_demand(unit.state)
         self.stats.count_demand(key, demand)
-        held = self._window.demanded(unit, missed=demand is Demand.miss)
+        missed = demand is _MISS
+        held = self._window.demanded(unit, missed=missed)
         why = None
-        if demand is Demand.miss:
+        if missed:
             why = scope.why_missed(unit, phase, held) if scope is not None else self._automatic.why_no_scope()
             if held is not None:
                 self.stats.count(key, Count.dropped)
@@ -310,8 +314,8 @@ class PrefetchScheduler:
         if why is not None and scope.strategy.gathers_misses:
             self._gather_missed(unit, phase)
         divergence = None
-        if scope.strategy.mode is not ScopeMode.demand:
-            scope.backward_started |= phase is Phase.backward
+        if scope.strategy.mode is not _DEMAND_MODE:
+            scope.backward_started |= not phase.in_forward
             divergence = scope.strategy.on_demand(unit, phase, demand)
         if why is not None:
             if why is OFF_ORDER:  # the strategy said which: it diverged here, or realigned (the prefix rule)

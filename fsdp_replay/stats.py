@@ -28,6 +28,10 @@ class Count(str, enum.Enum):
     recordings = "recordings"
 
 
+_DEMANDS = Count.demands.value
+"""Read per demand: a global is several times quicker to read than an Enum member (Python 3.11)."""
+
+
 class Demand(str, enum.Enum):
     """How a demand finds its unit, read from FSDP2's own state at the moment of use."""
 
@@ -153,13 +157,13 @@ class PrefetchStats(KeyStats):
 
     def count_demand(self, key: str | None, demand: Demand) -> None:
         """A demand and how it was served, in one call (this runs once per demand; see ``add``)."""
-        counters = self.__dict__
-        counters[Count.demands] += 1
-        counters[demand.counter] += 1
+        counters, served = self.__dict__, demand.counter
+        counters[_DEMANDS] += 1
+        counters[served] += 1
         if key is not None:
             counters = (self.per_key.get(key) or self.per_key.setdefault(key, KeyStats())).__dict__
-            counters[Count.demands] += 1
-            counters[demand.counter] += 1
+            counters[_DEMANDS] += 1
+            counters[served] += 1
 
     def count(self, key: str | None, counter: Count, n: int = 1) -> None:
         """Bump a counter in the totals and, when inside a scope, in that key's breakdown."""

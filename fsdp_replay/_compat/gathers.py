@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 from fsdp_replay._compat import public
@@ -16,6 +17,12 @@ if INTERNALS_OK:
 
     from fsdp_replay._compat.guard import IDLE_STATES
 
+    _FORWARD, _PRE_BACKWARD = TrainingState.FORWARD, TrainingState.PRE_BACKWARD
+    """Read per gather: a global is several times quicker to read than an Enum member (Python 3.11)."""
+
+_ON_HOST: dict[torch.device, bool] = {}
+"""Whether gathers on a device are host-side (CPU), per device seen."""
+
 
 def issue_unshard(state: Any, *, backward: bool) -> None:
     """Start the unit's all-gather without waiting; FSDP2's own pre-hook waits at the point of use.
@@ -26,7 +33,10 @@ def issue_unshard(state: Any, *, backward: bool) -> None:
     if not INTERNALS_OK:
         public.issue_unshard(state)
         return
-    cpu = state._device.type == "cpu"
+    device = state._device
+    cpu = _ON_HOST.get(device)
+    if cpu is None:
+        cpu = _ON_HOST[device] = device.type == "cpu"  # reading .type costs ~0.25 µs: once per device
     if not cpu:
         # Issued outside FSDP2's root pre-forward (e.g. right after optimizer.step()), so the
         # side streams must first see the current stream's writes to the sharded parameters.
@@ -34,7 +44,7 @@ def issue_unshard(state: Any, *, backward: bool) -> None:
         for name in ("all_gather_copy_in_stream", "all_gather_stream"):
             if (stream := getattr(state._comm_ctx, name, None)) is not None:
                 stream.wait_stream(current)
-    training_state = TrainingState.PRE_BACKWARD if backward else TrainingState.FORWARD
+    training_state = _PRE_BACKWARD if backward else _FORWARD
     with fsdp_hook_context():
         for group in state._fsdp_param_groups:
             # What FSDPParamGroup.use_training_state does, without a generator context per gather.

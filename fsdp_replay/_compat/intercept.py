@@ -35,10 +35,13 @@ def report_pre_backward(state: Any, on_backward_use: Callable[[], None]) -> bool
         return False
     fsdp_pre_backward = type(state)._pre_backward.__get__(state)
     groups = state._fsdp_param_groups
+    pre_backward_state = TrainingState.PRE_BACKWARD  # read per backward use: a local, not an Enum member lookup
 
     def pre_backward(grad: torch.Tensor) -> torch.Tensor:
-        if any(g._training_state != TrainingState.PRE_BACKWARD for g in groups):
-            on_backward_use()
+        for group in groups:
+            if group._training_state is not pre_backward_state:
+                on_backward_use()
+                break
         return fsdp_pre_backward(grad)
 
     state._pre_backward = pre_backward

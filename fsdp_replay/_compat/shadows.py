@@ -25,6 +25,8 @@ if INTERNALS_OK:
 
     _USE_STATES = (TrainingState.FORWARD, TrainingState.PRE_BACKWARD)
     """A group is in one of FSDP2's own uses (pre-forward, pre-backward) in these states."""
+    _FORWARD, _IDLE = TrainingState.FORWARD, TrainingState.IDLE
+    """Read per use: a global is several times quicker to read than an Enum member (Python 3.11)."""
 
 OtherPartyCall = Literal["reshard", "unshard", "reset"]
 """A call on a unit's FSDP2 state made by someone other than FSDP2's lifecycle or the scheduler."""
@@ -117,7 +119,7 @@ class GroupShadow:
             if self._in_lifecycle:
                 # After a forward FSDP2 reshards only while post_forward_mesh_info is set; after a
                 # backward it calls reshard only while reshard_after_backward holds.
-                real = group._training_state is not TrainingState.FORWARD or group.post_forward_mesh_info is not None
+                real = group._training_state is not _FORWARD or group.post_forward_mesh_info is not None
                 if real and interception.skip_lifecycle_reshard():
                     return
             else:
@@ -128,7 +130,7 @@ class GroupShadow:
         group = self._group
         # FSDP2's own unshards come from pre-forward, pre-backward and recompute, when the unit's
         # state is FORWARD or PRE_BACKWARD; from an idle unit it is someone else's call.
-        if self.interception is not None and self._state._training_state is TrainingState.IDLE:
+        if self.interception is not None and self._state._training_state is _IDLE:
             self.interception.on_other_party("unshard")
         if not self.timers or not self._on_host or group._training_state not in _USE_STATES:
             return self._cls.unshard(group, async_op)

@@ -86,13 +86,17 @@ def device(state: Any) -> torch.device:
 # --- gather state, read at demand time ---------------------------------------------------------
 
 
+_HIT, _RESIDENT, _MISS = Demand.hit, Demand.resident, Demand.miss
+"""Read per demand: a global is several times quicker to read than an Enum member (Python 3.11)."""
+
+
 def classify_demand(state: Any) -> Demand:
     """How a demand finds the unit: a gather pending (hit), unsharded (resident), or neither (miss)."""
     if INTERNALS_OK and len(groups := state._fsdp_param_groups) == 1:  # the common case, in one call
         group = groups[0]
         if group._all_gather_result is not None:
-            return Demand.hit
-        return Demand.resident if group.is_unsharded else Demand.miss
+            return _HIT
+        return _RESIDENT if group.is_unsharded else _MISS
     if is_pending(state):
         if not INTERNALS_OK:
             del public.pending[state]  # FSDP2's pre-hook waits on it now
@@ -138,16 +142,20 @@ class Standing(enum.Enum):
     """Unsharded or gathering already, by someone's doing: nothing to provide."""
 
 
+_IN_USE, _PROVIDED, _SHARDED = Standing.in_use, Standing.provided, Standing.sharded
+"""Read per refill entry: a global is several times quicker to read than an Enum member (Python 3.11)."""
+
+
 def standing(state: Any) -> Standing:
     """:class:`Standing` of the unit (the refill asks this for every entry it looks at)."""
     if not INTERNALS_OK:
         return Standing.provided if is_pending(state) or is_resident(state) else Standing.sharded
     groups = state._fsdp_param_groups
-    if len(groups) == 1:  # the common case, without generators
+    if len(groups) == 1:  # the common case, without generators or Enum member lookups
         group = groups[0]
         if group._training_state not in IDLE_STATES:
-            return Standing.in_use
-        return Standing.provided if group._all_gather_result is not None or group.is_unsharded else Standing.sharded
+            return _IN_USE
+        return _PROVIDED if group._all_gather_result is not None or group.is_unsharded else _SHARDED
     if any(g._training_state not in IDLE_STATES for g in groups):
         return Standing.in_use
     return Standing.provided if is_pending(state) or is_resident(state) else Standing.sharded
