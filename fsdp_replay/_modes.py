@@ -3,12 +3,10 @@ key has an order to replay (compared across ranks before its first replay), at t
 
 from __future__ import annotations
 
-from typing import Callable
-
 from fsdp_replay._adaptive import AdaptiveDepth
 from fsdp_replay._order import Cursor, RecordedOrders
 from fsdp_replay._ranks import check_across_ranks
-from fsdp_replay._strategies import DEMAND_ONLY, CountPrefetch, Record, Replay, Static, Strategy, static_successors
+from fsdp_replay._strategies import DEMAND_ONLY, Record, Replay, Static, Strategy, static_successors
 from fsdp_replay._units import Unit
 from fsdp_replay._window import PrefetchWindow
 from fsdp_replay.config import PrefetchConfig, PrefetchMode
@@ -24,7 +22,6 @@ class ScopeModes:
         orders: RecordedOrders,
         depths: AdaptiveDepth,
         window: PrefetchWindow,
-        prefetch_counter: Callable[[str], CountPrefetch],
     ) -> None:
         self._config = config
         self._units = units
@@ -32,7 +29,6 @@ class ScopeModes:
         self._orders = orders
         self._depths = depths
         self._window = window
-        self._prefetch_counter = prefetch_counter
 
     def strategy_for(self, key: str, *, rerecord: bool) -> Strategy:
         """The strategy of a new scope of ``key`` (``rerecord``: drop the key's order first).
@@ -43,9 +39,8 @@ class ScopeModes:
         mode = self._config.mode
         if mode is PrefetchMode.demand:
             return DEMAND_ONLY
-        count_prefetch = self._prefetch_counter(key)
         if mode is PrefetchMode.static:
-            return Static(self._static_successors, self._depths.of(key), self._window, count_prefetch)
+            return Static(self._static_successors, self._depths.of(key), self._window)
         if rerecord:
             self._orders.drop(key, reason="rerecord=True")
         order = self._orders.get(key)
@@ -55,4 +50,4 @@ class ScopeModes:
             check_across_ranks(key, self._orders, [unit.state for unit in self._units])
         may_skip_prefix = self._orders.first_replay(key)
         cursor = Cursor(order, depth=self._depths.of(key))
-        return Replay(cursor, self._window, count_prefetch, may_skip_prefix=may_skip_prefix)
+        return Replay(cursor, self._window, may_skip_prefix=may_skip_prefix)

@@ -12,7 +12,7 @@ scheduler switches the scope to :data:`DEMAND_ONLY`.
 from __future__ import annotations
 
 import enum
-from typing import Callable, Protocol
+from typing import Protocol
 
 from fsdp_replay import _compat
 from fsdp_replay._compat import Standing
@@ -20,10 +20,6 @@ from fsdp_replay._order import Cursor, Depth, Phase, Recording
 from fsdp_replay._units import Unit
 from fsdp_replay._window import Held, PrefetchWindow
 from fsdp_replay.stats import Demand, MissReason, Why
-
-CountPrefetch = Callable[[], None]
-"""Counts one prefetch issued under the scope's key (the scheduler's stats may be replaced)."""
-
 
 class ScopeMode(enum.Enum):
     """What a scope does with its demands; fixed when it opens, except that it may fall back to demand."""
@@ -144,11 +140,10 @@ class Replay:
     gathers_misses = True
 
     def __init__(
-        self, cursor: Cursor, window: PrefetchWindow, count_prefetch: CountPrefetch, *, may_skip_prefix: bool = False
+        self, cursor: Cursor, window: PrefetchWindow, *, may_skip_prefix: bool = False
     ) -> None:
         self.cursor = cursor
         self._window = window
-        self._count_prefetch = count_prefetch
         self._recorded = cursor.order
         self._seen: list[tuple[Unit, Phase]] | None = [] if may_skip_prefix else None
         """The scope's demands so far, on a first replay only (the prefix rule)."""
@@ -271,7 +266,6 @@ class Replay:
                 window.keep(unit)
             elif window.prefetch(unit, state, backward=not entry.phase.in_forward):
                 gathers += 1
-                self._count_prefetch()
             else:
                 self._stop = (entry, _DECLINED)
 
@@ -287,13 +281,10 @@ class Static:
     mode = ScopeMode.static
     gathers_misses = True
 
-    def __init__(
-        self, successors: StaticSuccessors, depth: Depth, window: PrefetchWindow, count_prefetch: CountPrefetch
-    ) -> None:
+    def __init__(self, successors: StaticSuccessors, depth: Depth, window: PrefetchWindow) -> None:
         self._successors = successors
         self._depth = depth
         self._window = window
-        self._count_prefetch = count_prefetch
         self._guessed: list[Unit] | None = None
         """The successors the previous demand guessed; None before the scope's first demand."""
         self._stop: tuple[list[Unit], Why] | None = None
@@ -317,8 +308,7 @@ class Static:
                 self._stop = (guessed[i:], _BYTE_CAP)
                 self.capped[not phase.in_forward] = True
                 return
-            if window.prefetch(successor, state, backward=not phase.in_forward):
-                self._count_prefetch()
+            window.prefetch(successor, state, backward=not phase.in_forward)
 
     def end_backward(self) -> None:
         pass

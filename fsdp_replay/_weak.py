@@ -7,8 +7,6 @@ from typing import Any, Callable, Iterable
 
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from fsdp_replay.stats import Count
-
 
 def weakly(method: Callable[..., None]) -> Callable[..., None]:
     """``method`` for the global optimizer hook, holding the scheduler (and its model) weakly."""
@@ -19,19 +17,6 @@ def weakly(method: Callable[..., None]) -> Callable[..., None]:
             live(*args)
 
     return call
-
-
-def prefetch_counter(scheduler: Any, key: str) -> Callable[[], None]:
-    """Counts a prefetch in the scheduler's stats of the moment (``reset_stats()`` replaces them),
-    holding it weakly; allocates nothing per call (a bound method or ``*args`` would feed the GC)."""
-    ref = weakref.ref(scheduler)
-    prefetches = Count.prefetches  # read per prefetch: a local, not an Enum member lookup
-
-    def count() -> None:
-        if (live := ref()) is not None:
-            live.stats.count(key, prefetches)
-
-    return count
 
 
 class OptimizerSteps:

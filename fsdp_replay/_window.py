@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from typing import Any
+from typing import Any, Callable
 
 from fsdp_replay import _compat
 from fsdp_replay._timeline import Event, Timeline
@@ -46,10 +46,16 @@ class PrefetchWindow:
         self.max_bytes = max_bytes
         self.can_keep = can_keep
         """Whether FSDP2's reshards can be seen and skipped (its internals are available)."""
-        self._prefetched: dict[Unit, None] = {}
-        self._kept: dict[Unit, bool] = {}
-        """Kept unit -> whether a reshard of it was skipped (so plain FSDP2 would have it sharded now)."""
+        self._held: dict[Unit, Held] = {}
+        self.holds: Callable[[Unit], Held | None] = self._held.get
+        """How the unit's next demand is already provided for, if it is (asked per refill entry and
+        per reshard: the dict's own ``get``, not a Python call)."""
+        self._skipped: set[Unit] = set()
+        """Kept units a reshard of which was skipped (so plain FSDP2 would have them sharded now)."""
         self._bytes_ahead = 0
+        self.issued = 0
+        """Prefetches issued since the scheduler last counted them into its stats (it does after
+        each strategy call: one attribute read per demand, where a callback would be two calls)."""
         self._gathered: set[Unit] = set()
         """Units all-gathered since the last optimizer step: only their unsharded values are current.
         A unit left unsharded across a step is stale, and plain FSDP2 renews it at its next reshard
@@ -58,17 +64,11 @@ class PrefetchWindow:
         """The open scope's timeline (the scheduler sets it): each gather issued and keep is appended."""
 
     def __len__(self) -> int:
-        return len(self._prefetched) + len(self._kept)
-
-    def holds(self, unit: Unit) -> Held | None:
-        """How the unit's next demand is already provided for, if it is."""
-        if unit in self._prefetched:
-            return _PREFETCHED
-        return _KEPT if unit in self._kept else None
+        return len(self._held)
 
     def units(self, held: Held) -> list[Unit]:
         """The units held one way, in the order they joined the window."""
-        return list(self._prefetched if held is Held.prefetched else self._kept)
+        return [unit for unit, how in self._held.items() if how is held]
 
     @property
     def bytes_ahead(self) -> int:
@@ -92,7 +92,8 @@ class PrefetchWindow:
             _compat.issue_unshard(state, backward=backward)
         if not _compat.is_pending(state):
             return False
-        self._prefetched[unit] = None
+        self._held[unit] = _PREFETCHED
+        self.issued += 1
         self._bytes_ahead += unit.unsharded_bytes
         self.timeline.append((_PROVIDED, unit, _PREFETCHED))
         return True
@@ -105,18 +106,16 @@ class PrefetchWindow:
 
     def keep(self, unit: Unit) -> None:
         """Hold the in-use ``unit``: FSDP2's reshards of it are skipped until its next demand."""
-        self._kept[unit] = False
+        self._held[unit] = _KEPT
         self._bytes_ahead += unit.unsharded_bytes
-        self.timeline.append((Event.provided, unit, Held.kept))
+        self.timeline.append((_PROVIDED, unit, _KEPT))
 
-    def skips_reshard(self, unit: Unit) -> bool | None:
-        """FSDP2 is about to reshard ``unit`` after a use: None to let it, else whether this is the
-        first reshard skipped for the current keep (what the ``kept`` counter counts)."""
-        skipped = self._kept.get(unit)
-        if skipped is None:
-            return None
-        self._kept[unit] = True
-        return not skipped
+    def skip_reshard(self, unit: Unit) -> bool:
+        """FSDP2's reshard of the kept ``unit`` after a use is skipped; returns whether it is the
+        first for the current keep (what the ``kept`` counter counts)."""
+        first = unit not in self._skipped
+        self._skipped.add(unit)
+        return first
 
     def demanded(self, unit: Unit, *, missed: bool) -> Held | None:
         """``unit``'s demand came (``missed``: FSDP2 must gather it now): it leaves the window.
@@ -143,14 +142,10 @@ class PrefetchWindow:
         Says how the scheduler had provided for it. A kept unit demanded is in use again: FSDP2
         reshards it after this use, unless a refill keeps it again.
         """
-        if unit in self._prefetched:
-            del self._prefetched[unit]
-            held = _PREFETCHED
-        elif unit in self._kept:
-            del self._kept[unit]
-            held = _KEPT
-        else:
+        held = self._held.pop(unit, None)
+        if held is None:
             return None
+        self._skipped.discard(unit)
         self._bytes_ahead -= unit.unsharded_bytes
         return held
 
@@ -163,18 +158,19 @@ class PrefetchWindow:
         the unit at the end of its current use, as it would have anyway.
         """
         wasted = len(self)
-        self.timeline += [(Event.released, unit, Held.prefetched, why) for unit in self._prefetched]
-        self.timeline += [(Event.released, unit, Held.kept, why) for unit in self._kept]
-        for unit in self._prefetched:
+        prefetched, kept = self.units(Held.prefetched), self.units(Held.kept)
+        self.timeline += [(Event.released, unit, Held.prefetched, why) for unit in prefetched]
+        self.timeline += [(Event.released, unit, Held.kept, why) for unit in kept]
+        for unit in prefetched:
             state = unit.state_or_none()
             if state is not None and _compat.is_pending(state):
                 with _compat.trace("fsdp_replay::release", unit.fqn):
                     _compat.release(state)
-        for unit, skipped in self._kept.items():
-            if skipped and (state := unit.state_or_none()) is not None:
+        for unit in kept:
+            if unit in self._skipped and (state := unit.state_or_none()) is not None:
                 with _compat.trace("fsdp_replay::release", unit.fqn):
                     _compat.reshard_if_idle(state)
-        self._prefetched.clear()
-        self._kept.clear()
+        self._held.clear()
+        self._skipped.clear()
         self._bytes_ahead = 0
         return wasted

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import logging
 import time
 from typing import Any, Iterator, Sequence
@@ -30,7 +29,7 @@ from fsdp_replay._modes import ScopeModes
 from fsdp_replay._strategies import Record, Replay, ScopeMode, gather_at_demand
 from fsdp_replay._timeline import FinishedScope, Timeline
 from fsdp_replay._units import Unit
-from fsdp_replay._weak import OptimizerSteps, prefetch_counter
+from fsdp_replay._weak import OptimizerSteps
 from fsdp_replay._window import Held, PrefetchWindow
 from fsdp_replay.config import DivergencePolicy, PrefetchConfig, PrefetchMode
 from fsdp_replay.explain import ExplainReport, build_report
@@ -39,7 +38,7 @@ from fsdp_replay.waits import DemandWaits
 
 logger = logging.getLogger("fsdp_replay")
 
-_MISS, _DEMAND_MODE = Demand.miss, ScopeMode.demand
+_MISS, _DEMAND_MODE, _KEPT = Demand.miss, ScopeMode.demand, Held.kept
 """Read per demand: a global is several times quicker to read than an Enum member (Python 3.11)."""
 
 
@@ -52,7 +51,7 @@ class PrefetchScheduler:
 
     def __init__(self, roots: Sequence[nn.Module], config: PrefetchConfig) -> None:
         self.config = config
-        self.stats = PrefetchStats()
+        self._stats = PrefetchStats()
         self._roots = Roots(roots)
         self.units: list[Unit] = self._roots.discover_units()
         if not self.units:
@@ -69,7 +68,7 @@ class PrefetchScheduler:
         self._hooks = HookSet(self)
         can_keep = all([self._hooks.register_unit(unit) for unit in self.units])
         self._window = PrefetchWindow(max_bytes=config.max_prefetch_bytes, can_keep=can_keep)
-        self._modes = ScopeModes(config, self.units, self._orders, self._depths, self._window, functools.partial(prefetch_counter, self))
+        self._modes = ScopeModes(config, self.units, self._orders, self._depths, self._window)
         self._finished: dict[str, FinishedScope] = {}
         """The last finished scope of each key, for ``explain()``."""
         measure = config.measure_waits or self._depths.adaptive
@@ -191,8 +190,15 @@ class PrefetchScheduler:
         if scope is not None and scope.strategy.mode is ScopeMode.replay and scope.key not in self._orders:
             self._go_demand_only(scope, Why(MissReason.invalidated, "invalidate() dropped the order it replayed"))
 
+    @property
+    def stats(self) -> PrefetchStats:
+        """Counters since :func:`attach` or the last :meth:`reset_stats`, cumulative and per scope key."""
+        self._count_prefetches()
+        return self._stats
+
     def reset_stats(self) -> None:
-        self.stats = PrefetchStats()
+        self._window.issued = 0
+        self._stats = PrefetchStats()
 
     def state_dict(self) -> dict[str, Any]:
         """The recorded orders, so that a resumed run replays from its first step.
@@ -296,17 +302,17 @@ class PrefetchScheduler:
         scope = self._scope
         key = scope.key if scope is not None else None
         demand = _compat.classify_demand(unit.state)
-        self.stats.count_demand(key, demand)
+        self._stats.count_demand(key, demand)
         missed = demand is _MISS
         held = self._window.demanded(unit, missed=missed)
         why = None
         if missed:
             why = scope.why_missed(unit, phase, held) if scope is not None else self._automatic.why_no_scope()
             if held is not None:
-                self.stats.count(key, Count.dropped)
+                self._stats.count(key, Count.dropped)
         if scope is None:
             if why is not None:
-                self.stats.miss_reasons[why.reason] += 1
+                self._stats.miss_reasons[why.reason] += 1
             return
         position = scope.demanded(unit, phase, demand, held, why)
         if self._waits is not None:
@@ -320,9 +326,19 @@ class PrefetchScheduler:
         if why is not None:
             if why is OFF_ORDER:  # the strategy said which: it diverged here, or realigned (the prefix rule)
                 why = scope.off_order(divergence)
-            self.stats.miss_reasons[why.reason] += 1
+            self._stats.miss_reasons[why.reason] += 1
         if divergence is not None:
             self._diverge(scope, f"iteration {scope.key!r} {divergence}")
+
+    def _count_prefetches(self) -> None:
+        """Count the prefetches the window issued since the last count, under the open scope's key.
+
+        Only strategies prefetch, inside a scope, so counting them when the stats are read and
+        when a scope ends attributes each to its key, at no cost per prefetch.
+        """
+        if self._window.issued:
+            self._stats.count(self._scope.key if self._scope is not None else None, Count.prefetches, self._window.issued)
+            self._window.issued = 0
 
     def _gather_missed(self, unit: Unit, phase: Phase) -> None:
         """Issue a missed unit's gather at its demand; with ``measure_waits`` the issue counts as its wait."""
@@ -335,11 +351,10 @@ class PrefetchScheduler:
 
     def on_lifecycle_reshard(self, unit: Unit) -> bool:
         """FSDP2 is about to reshard ``unit`` after a use; True skips it (the unit is kept)."""
-        first = self._window.skips_reshard(unit)
-        if first is None:
+        if self._window.holds(unit) is not _KEPT:
             return False
-        if first:
-            self.stats.count(self._scope.key if self._scope is not None else None, Count.kept)
+        if self._window.skip_reshard(unit):
+            self._stats.count(self._scope.key if self._scope is not None else None, Count.kept)
         return True
 
     def on_other_party(self, unit: Unit, call: _compat.OtherPartyCall) -> None:
@@ -361,7 +376,7 @@ class PrefetchScheduler:
             return
         if held is Held.prefetched and call == "reshard":
             _compat.release(unit.state)
-        self.stats.count(scope.key if scope is not None else None, Count.dropped)
+        self._stats.count(scope.key if scope is not None else None, Count.dropped)
 
     def _on_optimizer_step(self) -> None:
         """A step of the roots' parameters is about to run."""
@@ -378,7 +393,7 @@ class PrefetchScheduler:
                     "fsdp_replay: optimizer.step() inside iteration(key=%r) released %d pending prefetches "
                     "(they would run on stale weights); call step() after the iteration() block", scope.key, len(self._window)
                 )
-            self.stats.count(scope.key, Count.wasted, self._window.release_all("optimizer.step() inside iteration()"))
+            self._stats.count(scope.key, Count.wasted, self._window.release_all("optimizer.step() inside iteration()"))
 
     # --- scopes ----------------------------------------------------------------------------------
 
@@ -405,9 +420,10 @@ class PrefetchScheduler:
             self._end_scope(scope)  # a forward with no backward after it
 
     def _end_scope(self, scope: Scope, *, failure: str | None = None) -> None:
+        self._count_prefetches()
         self._scope = None
         why = f"the scope failed: {failure}" if failure is not None else "the scope ended before its demand"
-        self.stats.count(scope.key, Count.wasted, self._window.release_all(why))
+        self._stats.count(scope.key, Count.wasted, self._window.release_all(why))
         if failure is not None:
             self._orders.drop(scope.key, reason=failure)
             self._finish(scope, f"failed: {failure}", failed=True)
@@ -418,7 +434,7 @@ class PrefetchScheduler:
                 if entries := strategy.recording.entries:
                     self._orders.install(scope.key, strategy.recording)
                     self._depths.rerecorded(scope.key)
-                    self.stats.count(scope.key, Count.recordings)
+                    self._stats.count(scope.key, Count.recordings)
                     logger.debug("fsdp_replay: recorded %d demands for iteration %r", len(entries), scope.key)
             elif isinstance(strategy, Replay):
                 if (unfinished := strategy.unfinished()) is not None:
@@ -441,7 +457,7 @@ class PrefetchScheduler:
         return agree_on_max(values, [unit.state for unit in self.units])
 
     def _diverge(self, scope: Scope, detail: str) -> None:
-        self.stats.count(scope.key, Count.divergences)
+        self._stats.count(scope.key, Count.divergences)
         scope.outcome = f"diverged: {detail}"
         self._go_demand_only(scope, Why(MissReason.after_divergence, detail))
         self._orders.drop(scope.key, reason=detail)
@@ -452,8 +468,9 @@ class PrefetchScheduler:
         """No more automatic scopes: their orders are dropped and the open one ends unrecorded."""
         scope = self._scope
         if scope is not None and not scope.explicit:
+            self._count_prefetches()
             self._scope = None
-            self.stats.count(scope.key, Count.wasted, self._window.release_all(f"automatic scopes stopped: {reason}"))
+            self._stats.count(scope.key, Count.wasted, self._window.release_all(f"automatic scopes stopped: {reason}"))
             self._finish(scope, f"stopped: {reason}")
         for key in AUTO_KEYS:
             self._orders.discard_unchecked(key)
@@ -461,5 +478,5 @@ class PrefetchScheduler:
 
     def _go_demand_only(self, scope: Scope, why: Why) -> None:
         scope.fall_back(why)
-        self.stats.count(scope.key, Count.wasted, self._window.release_all(str(why)))
+        self._stats.count(scope.key, Count.wasted, self._window.release_all(str(why)))
 

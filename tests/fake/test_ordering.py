@@ -7,7 +7,7 @@ from torch.distributed.fsdp import FSDPModule
 from fsdp_replay import PrefetchConfig, attach
 from fsdp_replay.testing.internals import gather_pending, param_groups, window
 from fsdp_replay.testing.observer import DemandObserver
-from fsdp_replay.testing.workloads import CallSequenceModel, ONE_F_ONE_B, run_iteration, workload
+from fsdp_replay.testing.workloads import run_iteration, workload
 
 
 def _replay(mesh, name, config=None, steps=3):
