@@ -136,7 +136,13 @@ def summarize(ranks: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]:
 
 def compare_depths(workloads: dict[str, Any], depths: list[str]) -> None:
     """``suite=depths``: add to each contender its ratio to the best fixed depth of its workload
-    (best median / its median, above 1: faster; NaN without a fixed depth)."""
+    (the one with the lowest median step): the median over rounds of the best's step time / this
+    one's in the same round (above 1: faster; NaN without a fixed depth).
+
+    Contenders take turns step by step, so a round's steps ran under the same load; a ratio of
+    medians would also compare the load of different minutes of the run (as the CPU-cost
+    protocol does, ``bench_measure.measure_cpu_cost``).
+    """
     from bench_config import AUTO, depth_contender
 
     fixed = [depth_contender(d) for d in depths if d != AUTO]
@@ -144,7 +150,9 @@ def compare_depths(workloads: dict[str, Any], depths: list[str]) -> None:
         best = min(fixed, key=lambda name: w["modes"][name]["median_step_s"]) if fixed else None
         w["best_fixed_depth"] = best
         for f in w["modes"].values():
-            f["vs_best_fixed_depth"] = w["modes"][best]["median_step_s"] / f["median_step_s"] if best else float("nan")
+            f["vs_best_fixed_depth"] = (
+                _median([b / s for b, s in zip(w["modes"][best]["step_s"], f["step_s"])]) if best else float("nan")
+            )
 
 
 def check_depth_targets(workloads: dict[str, Any], depths: list[str]) -> list[dict[str, Any]]:
@@ -461,7 +469,8 @@ def render_depths(report: dict[str, Any]) -> str:
             f"`record_and_replay depth d` runs `forward_prefetch=backward_prefetch=d`, no byte cap "
             f"(`max_prefetch_bytes=None`). Run took {report['wall_s']:.0f} s.",
             "",
-            "x best fixed depth: the fastest fixed depth's median step time / this one's (below 1: slower). Depth: "
+            "x best fixed depth: the median over rounds of the fastest fixed depth's step time / this one's in the same "
+            "round (below 1: slower; the fastest by median step). Depth: "
             "rank 0's `sched.prefetch_depth()` at each timed step (every distinct value in order), and after the last "
             f"(all ranks agree by construction). Losses identical in every contender: {'yes' if equal else '**no**'}.",
             "",
