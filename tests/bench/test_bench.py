@@ -271,3 +271,19 @@ def test_depths_reject_anything_but_whole_numbers_and_auto_naming_the_bad_value(
     with pytest.raises(ValueError, match=r"RunConfig.depths: got .*whole number >= 0 or 'auto'") as err:
         RunConfig(depths=depths)
     assert f"(bad: {bad}" in str(err.value) or bad in str(err.value)
+
+
+def test_the_calls_profile_names_the_refill_per_demand(capsys):
+    """``bench_calls.py --profile``: one refill and one scheduler demand call per demand, and a total."""
+    import bench_calls
+    from fsdp_replay.testing.distributed import fake_world
+
+    with fake_world(8) as mesh:
+        profile, demands = bench_calls.calls_per_step("record_and_replay", mesh, steps=2)
+    bench_calls.print_profile(profile, demands, steps=2)
+    lines = capsys.readouterr().out.splitlines()
+    rows = {line.split()[-1]: line.split() for line in lines[1:-1]}
+    assert demands == 130
+    assert float(rows["provide"][1]) == pytest.approx(1.0, abs=0.05)  # refills at the scope's start and per demand
+    assert float(rows["on_demand"][1]) >= 1.0  # the scheduler's and the strategy's, once each per demand
+    assert lines[-1].endswith("all fsdp_replay functions") and float(lines[-1].split()[0]) > 0
