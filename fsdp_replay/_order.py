@@ -31,7 +31,7 @@ class Phase(enum.Enum):
     def __init__(self, value: str) -> None:
         self.in_forward = value == "forward"
         """Recompute happens inside backward, so it prefetches with the backward depth. (A plain
-        attribute, read per demand: a property or an Enum member lookup costs several times more.)"""
+        attribute, read per demand: see [Note: Enum members on the per-demand path] in ``scheduler.py``.)"""
 
 
 class Depth(NamedTuple):

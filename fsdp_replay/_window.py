@@ -21,7 +21,8 @@ class Held(enum.Enum):
 
 
 _PREFETCHED, _KEPT, _PROVIDED = Held.prefetched, Held.kept, Event.provided
-"""Read per demand: a global is several times quicker to read than an Enum member (Python 3.11)."""
+"""Read per demand: see [Note: Enum members on the per-demand path] in ``scheduler.py``."""
+
 _NO_KEEPS = Why(MissReason.public_fallback, "without FSDP2's internals its reshards cannot be skipped, so a unit in use is not kept")
 _STALE = Why(MissReason.cannot_keep, "its unsharded values predate the last optimizer step")
 
@@ -54,8 +55,8 @@ class PrefetchWindow:
         """Kept units a reshard of which was skipped (so plain FSDP2 would have them sharded now)."""
         self._bytes_ahead = 0
         self.issued = 0
-        """Prefetches issued since the scheduler last counted them into its stats (it does after
-        each strategy call: one attribute read per demand, where a callback would be two calls)."""
+        """Prefetches issued since the scheduler last counted them into its stats (it does when they
+        are read and when a scope ends: no call per prefetch)."""
         self._gathered: set[Unit] = set()
         """Units all-gathered since the last optimizer step: only their unsharded values are current.
         A unit left unsharded across a step is stale, and plain FSDP2 renews it at its next reshard

@@ -38,8 +38,15 @@ from fsdp_replay.waits import DemandWaits
 
 logger = logging.getLogger("fsdp_replay")
 
+# [Note: Enum members on the per-demand path]
+# Python 3.11 reads an Enum member (``Held.kept``) about four times slower than a module global
+# (~80 ns against ~20 ns: the lookup goes through the Enum's metaclass), and a demand's path once
+# read some 35 of them. So code that runs per demand, per refill entry or per FSDP2 use reads the
+# members it compares against from globals like these, bound once at import. BENCHMARKS.md
+# "4c. CPU cost after issue 15 part 2" measured it.
+
 _MISS, _DEMAND_MODE, _KEPT = Demand.miss, ScopeMode.demand, Held.kept
-"""Read per demand: a global is several times quicker to read than an Enum member (Python 3.11)."""
+"""Read per demand (see the note above)."""
 
 
 class PrefetchDivergenceError(RuntimeError):

@@ -18,7 +18,7 @@ if INTERNALS_OK:
     from fsdp_replay._compat.guard import IDLE_STATES
 
     _FORWARD, _PRE_BACKWARD = TrainingState.FORWARD, TrainingState.PRE_BACKWARD
-    """Read per gather: a global is several times quicker to read than an Enum member (Python 3.11)."""
+    """Read per gather: see [Note: Enum members on the per-demand path] in ``scheduler.py``."""
 
 _ON_HOST: dict[torch.device, bool] = {}
 """Whether gathers on a device are host-side (CPU), per device seen."""

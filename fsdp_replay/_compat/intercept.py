@@ -35,7 +35,7 @@ def report_pre_backward(state: Any, on_backward_use: Callable[[], None]) -> bool
         return False
     fsdp_pre_backward = type(state)._pre_backward.__get__(state)
     groups = state._fsdp_param_groups
-    pre_backward_state = TrainingState.PRE_BACKWARD  # read per backward use: a local, not an Enum member lookup
+    pre_backward_state = TrainingState.PRE_BACKWARD  # read per use: [Note: Enum members on the per-demand path]
 
     def pre_backward(grad: torch.Tensor) -> torch.Tensor:
         for group in groups:

@@ -26,7 +26,7 @@ if INTERNALS_OK:
     _USE_STATES = (TrainingState.FORWARD, TrainingState.PRE_BACKWARD)
     """A group is in one of FSDP2's own uses (pre-forward, pre-backward) in these states."""
     _FORWARD, _IDLE = TrainingState.FORWARD, TrainingState.IDLE
-    """Read per use: a global is several times quicker to read than an Enum member (Python 3.11)."""
+    """Read per use: see [Note: Enum members on the per-demand path] in ``scheduler.py``."""
 
 OtherPartyCall = Literal["reshard", "unshard", "reset"]
 """A call on a unit's FSDP2 state made by someone other than FSDP2's lifecycle or the scheduler."""

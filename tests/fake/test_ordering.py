@@ -220,3 +220,28 @@ def test_static_wrong_guesses_never_hold_more_than_depth_gathers(mesh8):
     for h in handles:
         h.remove()
     assert max(held) == 1 and sched.stats.prefetches > 0
+
+
+def test_prefetches_are_counted_under_their_key_whenever_the_stats_are_read(mesh8):
+    """The window counts what it issues and the stats take it in when read (mid-scope too) or when
+    the scope ends; ``reset_stats()`` mid-scope forgets what was issued before it."""
+    w = workload("sequential")
+    model = w.make_model().shard(mesh8)
+    sched = attach(model, PrefetchConfig())
+    for step in range(2):  # record, then one replay
+        with sched.iteration("train"):
+            run_iteration(model, w, step)
+    per_step = sched.stats.per_key["train"].prefetches
+    assert per_step > 0 and sched.stats.prefetches == per_step
+    read_after_forward: list[int] = []
+    handle = model.register_forward_hook(lambda *_: read_after_forward.append(sched.stats.per_key["train"].prefetches))
+    with sched.iteration("train"):
+        run_iteration(model, w, 2)
+    handle.remove()
+    in_forward = read_after_forward[0] - per_step
+    assert 0 < in_forward < per_step and sched.stats.prefetches == 2 * per_step
+    handle = model.register_forward_hook(lambda *_: sched.reset_stats())
+    with sched.iteration("train"):
+        run_iteration(model, w, 3)
+    handle.remove()
+    assert sched.stats.prefetches == sched.stats.per_key["train"].prefetches == per_step - in_forward
