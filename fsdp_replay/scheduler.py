@@ -1,10 +1,11 @@
-"""The scheduler: iteration scopes, and dispatch of the hooks' events to each scope's strategy.
+"""The scheduler: its public API, and dispatch of the hooks' events to each scope's strategy.
 
 Data flow: a hook reports a demand ``(unit, phase)`` → the scheduler classifies and counts it,
 takes the unit out of the :class:`PrefetchWindow` and hands it to the scope's strategy
 (``_strategies.py``), which records it, or checks it against the recorded order and provides for
 what comes next through the window → the scope's end installs a recording as the key's order
-and releases whatever the window still holds. README.md "How it behaves" walks it file by file.
+and releases whatever the window still holds (how scopes begin and end: ``_lifecycle.py``).
+README.md "How it behaves" walks it file by file.
 """
 
 from __future__ import annotations
@@ -18,20 +19,21 @@ from typing import Any, Iterator, Sequence
 import torch.nn as nn
 
 from fsdp_replay import _checkpoint, _compat
-from fsdp_replay._automatic import AUTO_KEYS, AutomaticScopes, automatic_key
+from fsdp_replay._automatic import AutomaticScopes, automatic_key
 from fsdp_replay._hooks import HookSet
+from fsdp_replay._lifecycle import PrefetchDivergenceError, ScopeLifecycle
 from fsdp_replay._adaptive import AdaptiveDepth
 from fsdp_replay._order import Phase, RecordedOrders
 from fsdp_replay._ranks import RankMismatchError, agree_on_max
 from fsdp_replay._roots import Roots
 from fsdp_replay._scope import OFF_ORDER, Scope
 from fsdp_replay._modes import ScopeModes
-from fsdp_replay._strategies import Record, Replay, ScopeMode, gather_at_demand
-from fsdp_replay._timeline import FinishedScope, Timeline
+from fsdp_replay._strategies import Record, ScopeMode, gather_at_demand
+from fsdp_replay._timeline import FinishedScope
 from fsdp_replay._units import Unit
 from fsdp_replay._weak import OptimizerSteps
 from fsdp_replay._window import Held, PrefetchWindow
-from fsdp_replay.config import DivergencePolicy, PrefetchConfig, PrefetchMode
+from fsdp_replay.config import PrefetchConfig, PrefetchMode
 from fsdp_replay.explain import ExplainReport, build_report
 from fsdp_replay.stats import Count, Demand, MissReason, PrefetchStats, Why
 from fsdp_replay.waits import DemandWaits
@@ -49,11 +51,7 @@ _MISS, _DEMAND_MODE, _KEPT = Demand.miss, ScopeMode.demand, Held.kept
 """Read per demand (see the note above)."""
 
 
-class PrefetchDivergenceError(RuntimeError):
-    """A replayed scope left its recorded order while ``on_divergence="raise"``."""
-
-
-class PrefetchScheduler:
+class PrefetchScheduler(ScopeLifecycle):
     """Schedules FSDP2 unshards for every unit under its roots; create it with :func:`attach`."""
 
     def __init__(self, roots: Sequence[nn.Module], config: PrefetchConfig) -> None:
@@ -77,7 +75,6 @@ class PrefetchScheduler:
         self._window = PrefetchWindow(max_bytes=config.max_prefetch_bytes, can_keep=can_keep)
         self._modes = ScopeModes(config, self.units, self._orders, self._depths, self._window)
         self._finished: dict[str, FinishedScope] = {}
-        """The last finished scope of each key, for ``explain()``."""
         measure = config.measure_waits or self._depths.adaptive
         self._waits = DemandWaits(on_host=_compat.device(self.units[0].state).type == "cpu") if measure else None
         if self._waits is not None and not all([self._hooks.time_waits(unit, self._waits) for unit in self.units]):
@@ -337,16 +334,6 @@ class PrefetchScheduler:
         if divergence is not None:
             self._diverge(scope, f"iteration {scope.key!r} {divergence}")
 
-    def _count_prefetches(self) -> None:
-        """Count the prefetches the window issued since the last count, under the open scope's key.
-
-        Only strategies prefetch, inside a scope, so counting them when the stats are read and
-        when a scope ends attributes each to its key, at no cost per prefetch.
-        """
-        if self._window.issued:
-            self._stats.count(self._scope.key if self._scope is not None else None, Count.prefetches, self._window.issued)
-            self._window.issued = 0
-
     def _gather_missed(self, unit: Unit, phase: Phase) -> None:
         """Issue a missed unit's gather at its demand; with ``measure_waits`` the issue counts as its wait."""
         if self._waits is None:
@@ -402,88 +389,8 @@ class PrefetchScheduler:
                 )
             self._stats.count(scope.key, Count.wasted, self._window.release_all("optimizer.step() inside iteration()"))
 
-    # --- scopes ----------------------------------------------------------------------------------
-
-    def _begin_scope(self, key: str, *, explicit: bool, rerecord: bool = False) -> Scope:
-        scope = Scope(key=key, explicit=explicit, strategy=self._modes.strategy_for(key, rerecord=rerecord))
-        self._scope = scope
-        self._window.timeline = scope.timeline
-        if self._waits is not None:
-            self._waits.take()  # what blocked outside any scope is nobody's demand
-        if scope.strategy.mode is not ScopeMode.demand:
-            # This scope may gather before FSDP2's root pre-forward (first step, or a resumed run).
-            self._roots.lazy_init()
-        if explicit:
-            scope.strategy.provide()  # the scope's first gathers go out before its first forward
-        # An automatic scope opens inside the root's pre-forward, which is already its first
-        # demand: that demand gathers at the point of use, and replay starts from there.
-        return scope
-
-    def _close_auto_scope(self, scope: Scope) -> None:
-        """An automatic scope still open at the next root forward or optimizer step."""
-        if scope.backward_started:
-            self._end_scope(scope, failure="its backward did not finish")
-        else:
-            self._end_scope(scope)  # a forward with no backward after it
-
-    def _end_scope(self, scope: Scope, *, failure: str | None = None) -> None:
-        self._count_prefetches()
-        self._scope = None
-        why = f"the scope failed: {failure}" if failure is not None else "the scope ended before its demand"
-        self._stats.count(scope.key, Count.wasted, self._window.release_all(why))
-        if failure is not None:
-            self._orders.drop(scope.key, reason=failure)
-            self._finish(scope, f"failed: {failure}", failed=True)
-            return
-        strategy = scope.strategy
-        try:
-            if isinstance(strategy, Record):
-                if entries := strategy.recording.entries:
-                    self._orders.install(scope.key, strategy.recording)
-                    self._depths.rerecorded(scope.key)
-                    self._stats.count(scope.key, Count.recordings)
-                    logger.debug("fsdp_replay: recorded %d demands for iteration %r", len(entries), scope.key)
-            elif isinstance(strategy, Replay):
-                if (unfinished := strategy.unfinished()) is not None:
-                    self._diverge(scope, f"iteration {scope.key!r} {unfinished}")
-                elif strategy.skipped_prefix:
-                    self._orders.trim(scope.key, strategy.cursor.order)
-        finally:  # also when a divergence raises: every rank takes part in the depth's agreement
-            self._finish(scope, None)
-
-    def _finish(self, scope: Scope, outcome: str | None, *, failed: bool = False) -> None:
-        """Keep the scope for ``explain()`` (the window's events go to a throwaway timeline until the
-        next), and, unless it failed, let its waits decide an ``"auto"`` depth on every rank."""
-        waits = self._waits.take() if self._waits is not None else None
-        self._finished[scope.key] = scope.finished(outcome, waits)
-        self._window.timeline = Timeline()
-        if not failed and self._depths.adaptive:  # reading the waits syncs on CUDA: only where they decide
-            self._depths.scope_ended(scope.key, scope.waits_by_phase(waits))
-
     def _agree_on_max(self, values: list[int]) -> list[int]:
         return agree_on_max(values, [unit.state for unit in self.units])
 
-    def _diverge(self, scope: Scope, detail: str) -> None:
-        self._stats.count(scope.key, Count.divergences)
-        scope.outcome = f"diverged: {detail}"
-        self._go_demand_only(scope, Why(MissReason.after_divergence, detail))
-        self._orders.drop(scope.key, reason=detail)
-        if self.config.on_divergence is DivergencePolicy.raise_:
-            raise PrefetchDivergenceError(f"fsdp_replay: {detail} (on_divergence='raise')")
 
-    def _stop_automatic_scopes(self, reason: str) -> None:
-        """No more automatic scopes: their orders are dropped and the open one ends unrecorded."""
-        scope = self._scope
-        if scope is not None and not scope.explicit:
-            self._count_prefetches()
-            self._scope = None
-            self._stats.count(scope.key, Count.wasted, self._window.release_all(f"automatic scopes stopped: {reason}"))
-            self._finish(scope, f"stopped: {reason}")
-        for key in AUTO_KEYS:
-            self._orders.discard_unchecked(key)
-        self._automatic.turn_off(reason)
-
-    def _go_demand_only(self, scope: Scope, why: Why) -> None:
-        scope.fall_back(why)
-        self._stats.count(scope.key, Count.wasted, self._window.release_all(str(why)))
-
+__all__ = ["PrefetchDivergenceError", "PrefetchScheduler", "RankMismatchError"]
