@@ -54,6 +54,9 @@ class RunConfig:
     """``torch.set_num_threads`` per rank; gloo needs a core of its own to overlap (2 cores: 1)."""
     forward_prefetch: int = 1
     backward_prefetch: int = 1
+    max_reuse_distance: int = 0
+    """``record_and_replay``'s ``PrefetchConfig.max_reuse_distance`` (every suite): a unit is kept
+    unsharded for a next use at most this many all-gathers away."""
     depths: list[str] = field(default_factory=lambda: ["1", "2", "3", AUTO])
     """``suite=depths``: the prefetch depths (both phases) ``record_and_replay`` runs at side by side;
     whole numbers >= 0 and ``auto``. The other suites use ``forward_prefetch``/``backward_prefetch``."""
@@ -74,7 +77,7 @@ class RunConfig:
             self.warmup_steps, self.steps, self.bound_steps = 2, 2, 1
         require_at_least(1, self, "dim", "hidden", "n_blocks", "rows", "steps", "threads", "bound_steps")
         require_at_least(2, self, "warmup_steps", "world_size")  # record, then one replayed warmup
-        require_at_least(0, self, "forward_prefetch", "backward_prefetch")
+        require_at_least(0, self, "forward_prefetch", "backward_prefetch", "max_reuse_distance")
         unknown = [m for m in self.modes if m not in MODES]
         if unknown or not self.modes or len(set(self.modes)) != len(self.modes):
             raise ValueError(f"RunConfig.modes: got {self.modes}; pick distinct modes from {', '.join(MODES)}")

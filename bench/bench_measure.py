@@ -70,9 +70,15 @@ def prefetch_config(
     mode: str, run: RunConfig, *, depth: int | str | None = None, measure_waits: bool = False
 ) -> PrefetchConfig:
     """The scheduler's config of ``mode``: ``depth`` in both phases (None: the run's prefetch depths),
-    the package's defaults otherwise."""
+    the run's reuse distance for ``record_and_replay``, the package's defaults otherwise."""
     forward, backward = (run.forward_prefetch, run.backward_prefetch) if depth is None else (depth, depth)
-    return PrefetchConfig(mode=mode, forward_prefetch=forward, backward_prefetch=backward, measure_waits=measure_waits)
+    return PrefetchConfig(
+        mode=mode,
+        forward_prefetch=forward,
+        backward_prefetch=backward,
+        max_reuse_distance=run.max_reuse_distance if mode == "record_and_replay" else 0,
+        measure_waits=measure_waits,
+    )
 
 
 def build_contender(

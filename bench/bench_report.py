@@ -466,7 +466,8 @@ def render_depths(report: dict[str, Any]) -> str:
             f"Model: {run['n_blocks']} blocks of dim {run['dim']}, hidden {run['hidden']}, {run['rows']} rows per "
             f"microbatch; {warmup} warmup steps ({run['warmup_steps']} + {warmup - run['warmup_steps']} for `auto` to "
             f"settle) + {run['steps']} timed steps per contender, alternating {', '.join(contenders)}; "
-            f"`record_and_replay depth d` runs `forward_prefetch=backward_prefetch=d`, no byte cap "
+            f"`record_and_replay depth d` runs `forward_prefetch=backward_prefetch=d` and "
+            f"`max_reuse_distance={run['max_reuse_distance']}`, no byte cap "
             f"(`max_prefetch_bytes=None`). Run took {report['wall_s']:.0f} s.",
             "",
             "x best fixed depth: the median over rounds of the fastest fixed depth's step time / this one's in the same "

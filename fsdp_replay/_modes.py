@@ -49,5 +49,5 @@ class ScopeModes:
         if self._config.check_ranks and self._orders.needs_check(key):
             check_across_ranks(key, self._orders, [unit.state for unit in self._units])
         may_skip_prefix = self._orders.first_replay(key)
-        cursor = Cursor(order, depth=self._depths.of(key))
+        cursor = Cursor(order, depth=self._depths.of(key), reuse_distance=self._config.max_reuse_distance)
         return Replay(cursor, self._window, may_skip_prefix=may_skip_prefix)

@@ -104,6 +104,9 @@ class Lookahead(NamedTuple):
     """All-gathers that may be in flight ahead: the prefetch depth of the phase being entered."""
     segment: int = 0
     """The segment all of ``entries`` are in."""
+    reuse: Entry | None = None
+    """The next entry of the unit demanded just before this position, where the reuse distance
+    reaches it: the unit is kept unsharded until then rather than resharded and gathered again."""
 
 
 _NOTHING_AHEAD = Lookahead((), 0)
@@ -116,23 +119,25 @@ class ExecutionOrder:
         self.entries: tuple[Entry, ...] = tuple(entries)
         self.likely_start = likely_start
         """Where a first replay starts (``Recording.likely_start``); not kept in checkpoints."""
-        self._lookaheads: dict[Depth, tuple[Lookahead, ...]] = {}
+        self._lookaheads: dict[tuple[Depth, int], tuple[Lookahead, ...]] = {}
 
-    def lookahead(self, depth: Depth) -> tuple[Lookahead, ...]:
-        """Per position, what a refill there may provide for; computed once per depth.
+    def lookahead(self, depth: Depth, reuse_distance: int = 0) -> tuple[Lookahead, ...]:
+        """Per position, what a refill there may provide for; computed once per depth and distance.
 
         The depth is that of the phase the position heads into (0: nothing is held ahead).
         Entries that were resident while recording take no slot; the entries end at a segment
         boundary (see :meth:`Cursor.lookahead`) and at a unit's second entry (one use at a time
         is provided for: the unit is kept unsharded from one use to the next, or gathered for
-        the next).
+        the next). ``reuse_distance``: see :attr:`Lookahead.reuse` and ``_reuse_from``.
         """
-        if depth not in self._lookaheads:
-            self._lookaheads[depth] = tuple(
-                _lookahead_from(self.entries, position, depth.of(entry.phase))
-                for position, entry in enumerate(self.entries)
+        key = (depth, reuse_distance)
+        if key not in self._lookaheads:
+            entries = self.entries
+            self._lookaheads[key] = tuple(
+                _lookahead_from(entries, position, depth.of(entry.phase), reuse_distance)
+                for position, entry in enumerate(entries)
             ) + (_NOTHING_AHEAD,)
-        return self._lookaheads[depth]
+        return self._lookaheads[key]
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -269,14 +274,15 @@ def first_difference(a: Sequence, b: Sequence) -> int:
 class Cursor:
     """A monotonic position in an order: each demand is checked against ``expected`` then ``advance``d."""
 
-    def __init__(self, order: ExecutionOrder, *, depth: Depth = Depth()) -> None:
+    def __init__(self, order: ExecutionOrder, *, depth: Depth = Depth(), reuse_distance: int = 0) -> None:
         self.order = order
         self.position = 0
         self.segment = 0
         """Backward passes finished so far in the replayed scope."""
         self.depth = depth
+        self.reuse_distance = reuse_distance
         self._entries = order.entries
-        self._lookahead = order.lookahead(depth)
+        self._lookahead = order.lookahead(depth, reuse_distance)
 
     @property
     def expected(self) -> Entry | None:
@@ -323,7 +329,7 @@ class Cursor:
         return ahead if ahead.segment <= self.segment else _NOTHING_AHEAD
 
 
-def _lookahead_from(entries: tuple[Entry, ...], position: int, depth: int) -> Lookahead:
+def _lookahead_from(entries: tuple[Entry, ...], position: int, depth: int, reuse_distance: int) -> Lookahead:
     if depth == 0:
         return _NOTHING_AHEAD
     segment = entries[position].segment
@@ -340,4 +346,22 @@ def _lookahead_from(entries: tuple[Entry, ...], position: int, depth: int) -> Lo
             break
         picked.append(entry)
         units.add(entry.unit)
-    return Lookahead(tuple(picked), depth, segment)
+    reuse = _reuse_from(entries, position, reuse_distance) if reuse_distance and position else None
+    return Lookahead(tuple(picked), depth, segment, reuse)
+
+
+def _reuse_from(entries: tuple[Entry, ...], position: int, distance: int) -> Entry | None:
+    """The next entry of the unit demanded at ``position - 1`` if at most ``distance`` all-gathers
+    come before it, in the same segment (a backward's end drops what is held), and it needs a gather."""
+    demanded = entries[position - 1]
+    between = 0
+    for i in range(position, len(entries)):
+        entry = entries[i]
+        if entry.segment != demanded.segment:
+            return None
+        if entry.unit is demanded.unit:
+            return entry if entry.needs_gather else None
+        between += entry.needs_gather
+        if between > distance:
+            return None
+    return None

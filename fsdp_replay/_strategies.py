@@ -190,7 +190,7 @@ class Replay:
         return False
 
     def _follow(self, start: int, *, position: int) -> None:
-        cursor = Cursor(self._recorded.suffix(start), depth=self.cursor.depth)
+        cursor = Cursor(self._recorded.suffix(start), depth=self.cursor.depth, reuse_distance=self.cursor.reuse_distance)
         cursor.position = position
         cursor.segment = self.cursor.segment
         self.cursor = cursor
@@ -233,7 +233,9 @@ class Replay:
         At most ``depth`` all-gathers are in flight ahead. A unit in use now (``demanded``, about
         to run, or an outer unit still running) that its entry needs again is not resharded and
         gathered again: it is kept unsharded, which costs its bytes but no gather slot. A unit
-        already unsharded or gathering by someone else's doing needs nothing.
+        already unsharded or gathering by someone else's doing needs nothing. Last, unless the byte
+        cap or a unit that may not be kept stopped the refill (nearest first), ``demanded`` is kept
+        for a next use further ahead, within ``max_reuse_distance`` (``Lookahead.reuse``).
         """
         ahead = self.cursor.lookahead()
         window = self._window
@@ -253,11 +255,11 @@ class Replay:
             in_use = standing is _IN_USE
             if not in_use and gathers >= ahead.gathers:
                 self._stop = (entry, _DEPTH_REACHED)
-                return  # the next demand frees a slot
+                break  # the next demand frees a slot
             if not window.fits(unit):
                 self._stop = (entry, _BYTE_CAP)
                 self.capped[not entry.phase.in_forward] = True
-                return  # the next demand frees room
+                return  # the next demand frees room; nothing later may jump the queue
             if in_use:
                 if (why_not := window.why_not_kept(unit)) is not None:
                     self._stop = (entry, why_not)
@@ -267,6 +269,10 @@ class Replay:
                 gathers += 1
             else:
                 self._stop = (entry, _DECLINED)
+        reuse = ahead.reuse
+        if reuse is not None and reuse.unit is demanded and holds(demanded) is None:
+            if window.fits(demanded) and window.why_not_kept(demanded) is None:
+                window.keep(demanded)
 
 
 class Static:

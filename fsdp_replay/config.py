@@ -88,6 +88,13 @@ class PrefetchConfig:
     """All-gathers in flight ahead of use while in backward (activation recompute counts as backward); or ``"auto"``."""
     max_prefetch_bytes: int | None = None
     """Cap on unsharded bytes held ahead of use (gathered early or kept unsharded); one unit is always allowed."""
+    max_reuse_distance: int = 0
+    """``record_and_replay``: keep a unit unsharded from one use to its next where at most this many
+    all-gathers come between them in the recorded order, instead of resharding it and gathering it
+    again (a forward and its activation-checkpoint recompute, a block called again): one all-gather
+    saved for its bytes held over that span (DeepSpeed ZeRO-3's ``stage3_max_reuse_distance``,
+    counted in all-gathers). Never across the end of a backward; the byte cap counts kept units.
+    0: a unit is kept only for a next use inside the prefetch lookahead."""
     check_ranks: bool = True
     """Compare every new recording across the ranks of the units' process group before replaying it."""
     on_divergence: DivergencePolicy | str = DivergencePolicy.fallback
@@ -106,6 +113,12 @@ class PrefetchConfig:
         for name in ("forward_prefetch", "backward_prefetch"):
             if getattr(self, name) != "auto":
                 require_at_least(0, self, name, why="0 disables it; or 'auto'")
+        require_at_least(0, self, "max_reuse_distance", why="all-gathers between two uses; 0 keeps only within the lookahead")
+        if self.max_reuse_distance and self.mode is not PrefetchMode.record_and_replay:
+            raise ValueError(
+                f"PrefetchConfig.max_reuse_distance={self.max_reuse_distance} needs mode record_and_replay (the "
+                f"recorded order says when a unit is used next), got mode {self.mode.name}; set it to 0 or change the mode"
+            )
         cap = self.max_prefetch_bytes
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0):
             raise ValueError(

@@ -19,7 +19,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as pipeline_schedules
 
-from fsdp_replay import PrefetchConfig, attach
+from fsdp_replay import attach
+from fsdp_replay.testing.contenders import contender_config
 from fsdp_replay.testing.internals import counting_all_gathers
 from fsdp_replay.testing.observer import DemandObserver, held_units
 
@@ -152,7 +153,8 @@ def run_pipeline(
     explicit: bool = True,
     switch: tuple[int, str] | None = None,
 ) -> dict[str, Any]:
-    """Train ``steps`` steps of ``setup`` with plain FSDP2 (``mode="plain"``) or one scheduler over
+    """Train ``steps`` steps of ``setup`` with plain FSDP2 (``mode="plain"``) or one scheduler (a
+    contender of ``fsdp_replay.testing.contenders``) over
     this rank's chunks (each step in ``iteration("train")`` if ``explicit``); ``switch=(step,
     name)`` runs that step with another schedule over the same stages (a divergence). Returns, per
     step, losses, local parameters, the observers' per-demand log, all-gathers issued and the units
@@ -160,7 +162,7 @@ def run_pipeline(
     chunks, stages = build_stages(setup, mesh)
     schedule = make_schedule(setup, stages)
     other = make_schedule(setup, stages, switch[1]) if switch is not None else None
-    sched = None if mode == "plain" else attach(chunks, PrefetchConfig(mode=mode))
+    sched = None if mode == "plain" else attach(chunks, contender_config(mode))
     observers = [DemandObserver(chunk) for chunk in chunks]
     opt = torch.optim.SGD([p for chunk in chunks for p in chunk.parameters()], lr=0.05)
     dp_rank = mesh.get_local_rank("dp")

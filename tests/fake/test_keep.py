@@ -1,7 +1,10 @@
 """Replay keeps a unit unsharded when the order needs it again next, instead of re-gathering it."""
 
+import pytest
+
 from fsdp_replay import PrefetchConfig, attach
 from fsdp_replay._window import Held
+from fsdp_replay.stats import MissReason
 from fsdp_replay.testing.internals import gather_pending, param_groups, window
 from fsdp_replay.testing.observer import DemandObserver
 from fsdp_replay.testing.workloads import run_iteration, workload
@@ -66,11 +69,11 @@ def test_a_keep_takes_no_gather_slot_but_counts_against_the_byte_cap(mesh8):
         assert sched.stats.kept > 0 and sched.stats.wasted == 0
 
 
-def _recorded(mesh, name):
+def _recorded(mesh, name, config=None):
     """A model with the scheduler attached and its order recorded by one scope."""
     w = workload(name)
     model = w.make_model().shard(mesh)
-    sched = attach(model, PrefetchConfig())
+    sched = attach(model, config or PrefetchConfig())
     with sched.iteration("train"):
         run_iteration(model, w, 0)
     return w, model, sched
@@ -85,11 +88,12 @@ def test_kept_units_are_resharded_when_the_scope_diverges(mesh8):
     _assert_all_sharded_with_settings_restored(model)
 
 
-def test_a_forward_only_scope_releases_the_unit_kept_for_its_backward(mesh8):
-    w, model, sched = _recorded(mesh8, "sequential")
+@pytest.mark.parametrize("reuse_distance, kept", [(0, 1), (100, 4)])
+def test_a_forward_only_scope_releases_the_units_kept_for_their_backward(mesh8, reuse_distance, kept):
+    w, model, sched = _recorded(mesh8, "sequential", PrefetchConfig(max_reuse_distance=reuse_distance))
     with sched.iteration("train"):
-        model(w.make_batch(1, 0))  # the last block is kept for a backward that does not come
-    assert sched.stats.kept == 1 and sched.stats.divergences == 1
+        model(w.make_batch(1, 0))  # the last block (every block) is kept for a backward that does not come
+    assert sched.stats.kept == kept and sched.stats.divergences == 1
     _assert_all_sharded_with_settings_restored(model)
 
 
@@ -133,3 +137,53 @@ def test_a_users_reshard_and_unshard_of_held_units_hand_them_over_cleanly(mesh8)
         observed.get("hit", 0), observed.get("miss", 0), observed.get("resident", 0)
     )
     assert ("blocks.1", "forward", "miss") in log and ("blocks.2", "forward", "resident") in log
+
+
+def _replayed_keeps(mesh, config, *, interfere=None):
+    """Steps of the checkpointed workload under ``config``; per replayed step, the units kept and the
+    most bytes held ahead at any block's forward or recompute (``interfere(model)`` runs as the
+    backward starts)."""
+    w = workload("checkpointed", n_blocks=6)
+    model = w.make_model().shard(mesh)
+    sched = attach(model, config)
+    held = []
+    hooks = [m.register_forward_pre_hook(lambda *_: held.append(window(sched).bytes_ahead)) for m in model.blocks]
+    if interfere is not None:
+        hooks.append(model.head.register_full_backward_pre_hook(lambda *_: interfere(model)))
+    kept = []
+    for step in range(3):
+        before, held[:] = sched.stats.kept, []
+        with sched.iteration("train"):
+            run_iteration(model, w, step)
+        kept.append((sched.stats.kept - before, max(held)))
+    for hook in hooks:
+        hook.remove()
+    return model, sched, kept[1:]
+
+
+def test_a_reuse_distance_keeps_a_unit_from_its_forward_into_its_recompute_within_the_byte_cap(mesh8):
+    """blocks.3 and blocks.4 run forward, then blocks.5 and its backward, then their recompute:
+    three all-gathers from their forward. A distance of 3 keeps both (one keep into the last
+    block's backward already happens); a cap of one unit leaves room for the nearest prefetch only."""
+    unit = 4 * (32 * 64 * 2 + 64 + 32)  # a block's two linears, fp32
+    _, _, kept = _replayed_keeps(mesh8, PrefetchConfig(max_reuse_distance=2))
+    assert [k for k, _ in kept] == [1, 1]
+    model, sched, kept = _replayed_keeps(mesh8, PrefetchConfig(max_reuse_distance=3))
+    assert [k for k, _ in kept] == [3, 3] and max(b for _, b in kept) == 3 * unit
+    assert sched.stats.wasted == 0
+    _assert_all_sharded_with_settings_restored(model)
+    _, _, kept = _replayed_keeps(mesh8, PrefetchConfig(max_reuse_distance=3, max_prefetch_bytes=unit))
+    assert [k for k, _ in kept] == [1, 1] and max(b for _, b in kept) == unit
+
+
+def test_a_unit_kept_for_its_recompute_is_handed_over_to_a_users_reshard(mesh8):
+    def reshard_kept(model):
+        model.blocks[3].reshard()
+
+    model, sched, kept = _replayed_keeps(mesh8, PrefetchConfig(max_reuse_distance=3), interfere=reshard_kept)
+    assert [k for k, _ in kept] == [3, 3] and sched.stats.wasted == 0
+    # Dropped once per replayed scope; blocks.3's recompute is then prefetched like any other gather.
+    assert sched.stats.dropped == 2
+    assert sched.stats.miss_reasons == {MissReason.recording: sched.stats.misses}
+    _assert_all_sharded_with_settings_restored(model)
+

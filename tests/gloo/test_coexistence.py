@@ -9,12 +9,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fsdp_replay import PrefetchConfig, attach
+from fsdp_replay import attach
+from fsdp_replay.testing.contenders import REUSE, contender_config
 from fsdp_replay.testing.distributed import spawn
 from fsdp_replay.testing.observer import DemandObserver, held_units
 from fsdp_replay.testing.workloads import CallSequenceModel, linear_stack
 
-MODES = ("plain", "demand", "static", "record_and_replay")
+MODES = ("plain", "demand", "static", "record_and_replay", REUSE)
 STEPS = 3
 
 
@@ -25,7 +26,7 @@ def _local(tensors) -> list[torch.Tensor | None]:
 
 def _train(mesh, model: nn.Module, mode: str, explicit: bool, microbatch) -> dict:
     """``microbatch(model, step, mb)`` runs one forward+backward with its interference; 2 per step."""
-    sched = None if mode == "plain" else attach(model, PrefetchConfig(mode=mode))
+    sched = None if mode == "plain" else attach(model, contender_config(mode))
     observer = DemandObserver(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     steps = []

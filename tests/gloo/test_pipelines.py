@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from fsdp_replay.stats import Demand
+from fsdp_replay.testing.contenders import REUSE
 from fsdp_replay.testing.distributed import spawn
 from fsdp_replay.testing.pipelines import (
     SINGLE_STAGE_SCHEDULES,
@@ -31,6 +32,10 @@ CORRECT_SETUPS = [PipelineSetup(schedule=name, reshard_after_forward=False) for 
     for name in SCHEDULES
     if name not in ZERO_BUBBLE_SCHEDULES
     for infer in (True, False)
+]
+REUSE_SETUPS = [
+    s for s in CORRECT_SETUPS
+    if s.schedule in ("Schedule1F1B", "ScheduleInterleaved1F1B") and s.reshard_after_forward and not s.infer_shapes
 ]
 UPSTREAM_WRONG_SETUPS = [PipelineSetup(schedule=name) for name in SCHEDULES if name in ZERO_BUBBLE_SCHEDULES]
 AUTOMATIC_SETUPS = [PipelineSetup(schedule="Schedule1F1B"), PipelineSetup(schedule="ScheduleInterleaved1F1B")]
@@ -51,7 +56,7 @@ def _everything(mesh) -> dict:
     mesh = pipeline_mesh(mesh.size())
     results = {}
     for setup in CORRECT_SETUPS + UPSTREAM_WRONG_SETUPS:
-        for mode in ("plain",) + MODES:
+        for mode in ("plain",) + MODES + ((REUSE,) if setup in REUSE_SETUPS else ()):
             results[setup, mode] = run_pipeline(setup, mesh, mode)
     setup, switch = DIVERGENT
     for mode in ("plain", "record_and_replay"):
@@ -79,20 +84,37 @@ def _same_numerics(got: dict, plain: dict) -> None:
         assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"])), f"parameters differ at step {step}"
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("setup", CORRECT_SETUPS, ids=lambda s: f"{s.schedule}-raf{int(s.reshard_after_forward)}-{'inferred' if s.infer_shapes else 'given'}")
-def test_each_mode_equals_plain_fsdp2(ranks, setup, mode) -> None:
+def _setup_id(s: PipelineSetup) -> str:
+    return f"{s.schedule}-raf{int(s.reshard_after_forward)}-{'inferred' if s.infer_shapes else 'given'}"
+
+
+def _equals_plain(ranks: list[dict], setup: PipelineSetup, mode: str) -> None:
     for rank, results in enumerate(ranks):
         got, plain = results[setup, mode], results[setup, "plain"]
         _same_numerics(got, plain)
         for step, (a, b) in enumerate(zip(got["steps"], plain["steps"])):
             assert a["all_gathers"] <= b["all_gathers"], f"rank {rank} step {step}: more all-gathers than plain"
             assert a["held"] == b["held"], f"rank {rank} step {step}: other units left unsharded than plain"
-        if mode == "record_and_replay":
+        if mode in ("record_and_replay", REUSE):
             assert got["stats"]["divergences"] == 0, f"rank {rank}: {got['stats']}"
             for step, record in enumerate(got["steps"][1:], start=1):
                 misses = [entry for entry in record["observed"] if entry[2] is Demand.miss]
                 assert not misses, f"rank {rank} step {step}: misses after recording {misses}"
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("setup", CORRECT_SETUPS, ids=_setup_id)
+def test_each_mode_equals_plain_fsdp2(ranks, setup, mode) -> None:
+    _equals_plain(ranks, setup, mode)
+
+
+@pytest.mark.parametrize("setup", REUSE_SETUPS, ids=_setup_id)
+def test_replay_keeping_units_for_later_uses_equals_plain_fsdp2(ranks, setup) -> None:
+    """Each stage's toggles and finalization come between a microbatch's uses: only keeps that do
+    not cross a backward's end are made, and the stage's own settings still win."""
+    _equals_plain(ranks, setup, REUSE)
+    for results in ranks:
+        assert results[setup, REUSE]["stats"]["kept"] > 0
 
 
 @pytest.mark.parametrize("setup", CORRECT_SETUPS[: len(SCHEDULES)], ids=lambda s: s.schedule)

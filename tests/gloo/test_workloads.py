@@ -3,12 +3,13 @@
 import pytest
 import torch
 
-from fsdp_replay import PrefetchConfig, attach
+from fsdp_replay import attach
+from fsdp_replay.testing.contenders import REUSE, contender_config
 from fsdp_replay.testing.distributed import spawn
 from fsdp_replay.testing.observer import DemandObserver
 from fsdp_replay.testing.workloads import canonical_workloads, run_iteration, workload
 
-MODES = ("plain", "demand", "static", "record_and_replay")
+MODES = ("plain", "demand", "static", "record_and_replay", REUSE)
 WORKLOADS = [w.name for w in canonical_workloads()]
 STEPS = 4
 
@@ -16,7 +17,7 @@ STEPS = 4
 def _train(mesh, name: str, mode: str, explicit_scope: bool) -> dict:
     w = workload(name)
     model = w.make_model().shard(mesh)
-    sched = None if mode == "plain" else attach(model, PrefetchConfig(mode=mode))
+    sched = None if mode == "plain" else attach(model, contender_config(mode))
     observer = DemandObserver(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     losses, grads, seen = [], [], []
@@ -69,10 +70,11 @@ def test_every_mode_is_bitwise_equal_to_plain_fsdp2(explicit_runs, name):
     _bitwise_equal_to_plain(explicit_runs, name)
 
 
+@pytest.mark.parametrize("mode", ["record_and_replay", REUSE])
 @pytest.mark.parametrize("name", WORKLOADS)
-def test_replay_makes_every_demand_a_hit_or_resident(explicit_runs, name):
+def test_replay_makes_every_demand_a_hit_or_resident(explicit_runs, name, mode):
     for rank_result in explicit_runs:
-        run = rank_result[(name, "record_and_replay")]
+        run = rank_result[(name, mode)]
         recorded = run["observed"][0]
         assert [(fqn, phase) for fqn, phase, _ in recorded] == run["order"]
         for step, observed in enumerate(run["observed"][1:], start=1):
@@ -82,6 +84,19 @@ def test_replay_makes_every_demand_a_hit_or_resident(explicit_runs, name):
         assert stats["recordings"] == 1 and stats["divergences"] == 0 and stats["wasted"] == 0
         assert stats["demands"] == stats["hits"] + stats["misses"] + stats["resident"]
         assert stats["misses"] == sum(k == "miss" for _, _, k in recorded)  # all misses are in the recording
+
+
+@pytest.mark.parametrize("name", WORKLOADS)
+def test_a_reuse_distance_keeps_units_for_later_uses_and_saves_their_gathers(explicit_runs, name):
+    """Each unit is kept from a use to its next within the same backward segment (forward into
+    recompute or backward, one microbatch's forward into the next's): one gather fewer per keep."""
+    for rank_result in explicit_runs:
+        near, far = rank_result[(name, "record_and_replay")], rank_result[(name, REUSE)]
+        gathered = [
+            [sum(kind != "resident" for _, _, kind in observed) for observed in run["observed"][1:]] for run in (near, far)
+        ]
+        saved = far["stats"]["kept"] - near["stats"]["kept"]
+        assert saved > 0 and [a - b for a, b in zip(*gathered)] == [saved // (STEPS - 1)] * (STEPS - 1), (name, gathered)
 
 
 def _assert_counters_agree_with_the_observer(results, names):

@@ -9,6 +9,7 @@ def test_defaults_are_record_and_replay_depth_one():
     assert config.mode is PrefetchMode.record_and_replay
     assert (config.forward_prefetch, config.backward_prefetch) == (1, 1)
     assert config.max_prefetch_bytes is None and config.check_ranks and config.on_divergence == "fallback"
+    assert config.max_reuse_distance == 0  # plain FSDP2's memory: keeps only within the lookahead
 
 
 def test_mode_accepts_member_names_as_users_type_them():
@@ -21,11 +22,18 @@ def test_unknown_mode_names_value_and_valid_modes():
         PrefetchConfig(mode="fast")
 
 
-@pytest.mark.parametrize("field", ["forward_prefetch", "backward_prefetch"])
+@pytest.mark.parametrize("field", ["forward_prefetch", "backward_prefetch", "max_reuse_distance"])
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "2"])
-def test_negative_or_non_integer_depth_is_rejected(field, bad):
+def test_negative_or_non_integer_depth_or_distance_is_rejected(field, bad):
     with pytest.raises(ValueError, match=rf"{field} must be an integer >= 0.*{bad!r}"):
         PrefetchConfig(**{field: bad})
+
+
+@pytest.mark.parametrize("mode", ["static", "demand"])
+def test_a_reuse_distance_outside_record_and_replay_is_rejected(mode):
+    with pytest.raises(ValueError, match=rf"max_reuse_distance=2 needs mode record_and_replay.*got mode {mode}"):
+        PrefetchConfig(mode=mode, max_reuse_distance=2)
+    assert PrefetchConfig(mode=mode, max_reuse_distance=0).max_reuse_distance == 0
 
 
 @pytest.mark.parametrize("bad", [0, -5, 2.0])

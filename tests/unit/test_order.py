@@ -56,6 +56,29 @@ def test_lookahead_takes_the_phase_depth_skips_resident_and_stops_at_repeats_and
     assert order.lookahead(Depth(3, 1)) is ahead  # computed once per depths
 
 
+def test_reuse_reaches_a_units_next_gathered_use_within_the_distance_and_its_segment():
+    (a, b, c, d), _ = _units("a", "b", "c", "d")
+    order = ExecutionOrder(
+        [Entry(a, Phase.forward, True), Entry(b, Phase.forward, True), Entry(c, Phase.forward, True),
+         Entry(d, Phase.backward, False), Entry(b, Phase.recompute, True), Entry(a, Phase.recompute, True),
+         Entry(c, Phase.backward, False), Entry(d, Phase.forward, True, 1), Entry(d, Phase.backward, True, 1)]
+    )
+
+    def reuses(distance):
+        return [(e.unit.fqn, e.phase.value) if e else None for e in (x.reuse for x in order.lookahead(Depth(1, 1), distance))]
+
+    # Position p's reuse is for the demand at p - 1. b's recompute has one gather before it (c's
+    # forward), a's three (d's backward was resident when recorded); c's next use is resident,
+    # and nothing is kept across the end of a backward (d's forward and backward in segment 1:
+    # no gather between).
+    last = [None, None, None, None, None, ("d", "backward"), None]
+    assert reuses(0) == [None] * 10
+    assert reuses(1) == reuses(2) == [None, None, ("b", "recompute"), *last]
+    assert reuses(3) == reuses(9) == [None, ("a", "recompute"), ("b", "recompute"), *last]
+    assert order.lookahead(Depth(1, 1), 3) is order.lookahead(Depth(1, 1), 3)  # computed once
+    assert all(x.reuse is None for x in order.lookahead(Depth(0, 0), 5))  # depth 0: nothing held
+
+
 def test_state_round_trip_and_digest_are_stable():
     (a, b), _ = _units("a", "b")
     order = ExecutionOrder([Entry(a, Phase.forward, True, 0), Entry(b, Phase.backward, False, 1)])
