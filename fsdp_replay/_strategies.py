@@ -58,7 +58,7 @@ def gather_at_demand(unit: Unit, phase: Phase) -> None:
     """Issue a missed unit's gather now, before any prefetch (see ``Strategy.gathers_misses``)."""
     if _compat.may_gather(state := unit.state):
         with _compat.trace("fsdp_replay::gather_at_demand", unit.fqn):
-            _compat.issue_unshard(state, backward=not phase.in_forward)
+            _compat.issue_unshard(state, backward=not phase.in_forward, use_now=True)
 
 
 class DemandOnly:

@@ -3,6 +3,13 @@
 Without the internals a unit is the ``FSDPModule`` itself, a prefetch is
 ``unshard(async_op=True)`` whose handle is kept here until its use, and a unit is resident while
 its parameters are plain tensors rather than DTensors.
+
+[Note: the public fallback prefetches on the host only]
+FSDP2's public ``unshard(async_op=True)`` runs its copy-in and all-gather on the *current* stream:
+on an accelerator that serializes each prefetch with compute, and replay made steps 1.11-1.12x
+slower than plain FSDP2 on an H200 (static 1.03-1.09x; issue 24). So on an accelerator the
+fallback issues no gather of its own and leaves FSDP2's own prefetch (its side streams) on; only
+on the host, where ``async_op=True`` is what lets a gather overlap at all, does it prefetch.
 """
 
 from __future__ import annotations
@@ -45,9 +52,21 @@ def process_group(module: nn.Module) -> Any:
     return None
 
 
-def issue_unshard(module: Any) -> None:
-    if not is_resident(module) and module not in pending:
-        pending[module] = module.unshard(async_op=True)
+def prefetches(module: nn.Module) -> bool:
+    """Whether the fallback issues gathers for this unit; see [Note: the public fallback prefetches on the host only]."""
+    param = next(managed_params(module), None)
+    return param is None or param.device.type == "cpu"
+
+
+def issue_unshard(module: Any, *, use_now: bool) -> None:
+    """Start the unit's gather; ``use_now``: its use starts next, and FSDP2's own pre-hook waits on
+    it then, so no handle is kept (one kept would make the unit's next demand a false hit, and
+    would keep the module alive if that demand never came)."""
+    if is_resident(module) or module in pending or not prefetches(module):
+        return
+    handle = module.unshard(async_op=True)
+    if not use_now:
+        pending[module] = handle
 
 
 def release(module: Any) -> None:

@@ -102,3 +102,50 @@ def test_the_fallback_warns_once_saying_what_is_lost():
     assert result.returncode == 0, result.stderr
     assert result.stderr.count("PublicAPIFallbackWarning") == 1, result.stderr
     assert "Lost: keeps" in result.stderr and f"{PUBLIC_API_ENV} is set" in result.stderr
+
+
+def _alive_after_detach(mesh) -> dict:
+    """Per mode, whether the model or the scheduler outlives ``detach()``, ``del`` and ``gc.collect()``."""
+    import gc
+    import weakref
+
+    alive = {}
+    w = workload("sequential")
+    for mode in MODES[1:]:
+        model = w.make_model().shard(mesh)
+        sched = attach(model, PrefetchConfig(mode=mode))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        for step in range(STEPS):
+            with sched.iteration("train"):
+                run_iteration(model, w, step)
+            opt.step()
+            opt.zero_grad()
+        sched.detach()
+        refs = (weakref.ref(model), weakref.ref(sched))
+        del model, sched, opt
+        gc.collect()
+        alive[mode] = [ref() is not None for ref in refs]
+    return alive
+
+
+def test_no_module_or_scheduler_outlives_detach_in_any_mode_on_the_public_api():
+    previous = os.environ.get(PUBLIC_API_ENV)
+    os.environ[PUBLIC_API_ENV] = "1"
+    try:
+        ranks = spawn(_alive_after_detach, timeout_s=300)
+    finally:
+        if previous is None:
+            del os.environ[PUBLIC_API_ENV]
+        else:
+            os.environ[PUBLIC_API_ENV] = previous
+    for alive in ranks:
+        assert alive == {mode: [False, False] for mode in MODES[1:]}, alive
+
+
+@pytest.mark.parametrize("name", WORKLOADS)
+def test_the_fallback_counts_hits_as_the_observer_sees_them(fallback_runs, name):
+    for rank_result in fallback_runs:
+        for mode in MODES[1:]:
+            stats, seen = rank_result[(name, mode)]["stats"], DemandObserver.counts(rank_result[(name, mode)]["observed"])
+            assert stats["hits"] == seen.get("hit", 0), (name, mode, stats, seen)
+            assert stats["hits"] <= stats["prefetches"], (name, mode, stats)
