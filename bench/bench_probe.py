@@ -34,6 +34,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group as fsdp_param_group
 from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
+from fsdp_replay._compat.state import param_groups
+
 
 @dataclass
 class StepCounters:
@@ -69,7 +71,7 @@ class FSDPProbe:
         groups: dict[int, tuple[FSDPParamGroup, int]] = {}
         for module in model.modules():
             if isinstance(module, FSDPModule):
-                for group in _get_module_state(module)._fsdp_param_groups:
+                for group in param_groups(_get_module_state(module)):
                     groups[id(group)] = (group, _unsharded_bytes(group))
         self._groups = list(groups.values())
         self.step = StepCounters()
@@ -164,6 +166,6 @@ def unit_bytes(model: nn.Module) -> list[int]:
     seen: dict[int, int] = {}
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            for group in _get_module_state(module)._fsdp_param_groups:
+            for group in param_groups(_get_module_state(module)):
                 seen[id(group)] = _unsharded_bytes(group)
     return list(seen.values())

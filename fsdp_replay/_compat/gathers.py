@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from fsdp_replay._compat import public
 from fsdp_replay._compat.guard import INTERNALS_OK, TORCH_RELEASE, fsdp_hook_context
-from fsdp_replay._compat.state import fsdp_params, fsdp_state
+from fsdp_replay._compat.state import fsdp_params, fsdp_state, param_groups
 
 if INTERNALS_OK:
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
@@ -24,14 +24,16 @@ _ON_HOST: dict[torch.device, bool] = {}
 """Whether gathers on a device are host-side (CPU), per device seen."""
 
 
-def issue_unshard(state: Any, *, backward: bool) -> None:
+def issue_unshard(state: Any, *, backward: bool, use_now: bool = False) -> None:
     """Start the unit's all-gather without waiting; FSDP2's own pre-hook waits at the point of use.
 
     On accelerators FSDP2's prefetch path (training state set, side streams) overlaps best; on CPU
     only ``async_op=True`` lets the gather run beside compute. The caller checks ``may_gather``.
+    ``use_now``: a missed demand's gather, whose use starts next (the public fallback keeps no
+    handle of it).
     """
     if not INTERNALS_OK:
-        public.issue_unshard(state)
+        public.issue_unshard(state, use_now=use_now)
         return
     device = state._device
     cpu = _ON_HOST.get(device)
@@ -46,7 +48,7 @@ def issue_unshard(state: Any, *, backward: bool) -> None:
                 stream.wait_stream(current)
     training_state = _PRE_BACKWARD if backward else _FORWARD
     with fsdp_hook_context():
-        for group in state._fsdp_param_groups:
+        for group in param_groups(state):
             # What FSDPParamGroup.use_training_state does, without a generator context per gather.
             saved, group._training_state = group._training_state, training_state
             try:
@@ -61,7 +63,7 @@ def release(state: Any) -> None:
         public.release(state)
         return
     with fsdp_hook_context():
-        for group in state._fsdp_param_groups:
+        for group in param_groups(state):
             if group._all_gather_result is not None:
                 group.wait_for_unshard()
                 FSDPParamGroup.reshard(group)  # the class method: our own call, not another party's
@@ -75,7 +77,7 @@ def reshard_if_idle(state: Any) -> None:
     when it finalizes).
     """
     with fsdp_hook_context():
-        for group in state._fsdp_param_groups:
+        for group in param_groups(state):
             pending_reduction = getattr(group, "_post_backward_pending", False)
             if group._training_state in IDLE_STATES and group.is_unsharded and not pending_reduction:
                 FSDPParamGroup.reshard(group)  # the class method: our own call, not another party's
@@ -88,7 +90,13 @@ def ensure_lazy_init(root_state: Any) -> None:
 
 
 def reset_iter_state(root: nn.Module) -> None:
-    """FSDP2's recovery after an exception aborted a forward or backward mid-flight."""
+    """FSDP2's recovery after an exception aborted a forward or backward mid-flight.
+
+    torch 2.11 and 2.12 have no ``reset_iter_state``: there FSDP2's state is left as plain FSDP2
+    leaves it after the exception (the scheduler has released its own gathers already).
+    """
+    if not hasattr(root, "reset_iter_state"):
+        return
     if not INTERNALS_OK:
         root.reset_iter_state()
         return

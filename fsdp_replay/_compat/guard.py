@@ -16,7 +16,7 @@ import warnings
 import torch
 from torch.profiler import record_function
 
-TESTED_TORCH = ((2, 13), (2, 14), (2, 15))
+TESTED_TORCH = ((2, 11), (2, 12), (2, 13), (2, 14), (2, 15))
 """(major, minor) releases whose FSDP2 internals this package was checked against."""
 PUBLIC_API_ENV = "FSDP_REPLAY_PUBLIC_API"
 """Set to ``1`` to use FSDP2's public API only, also on a tested release (how CI covers the fallback)."""

@@ -13,9 +13,10 @@ from typing import Any, Callable
 import torch
 from torch.autograd import Variable
 
+from fsdp_replay._compat import public
 from fsdp_replay._compat.guard import INTERNALS_OK
 from fsdp_replay._compat.shadows import GroupShadow, Interception, OtherPartyCall
-from fsdp_replay._compat.state import in_backward
+from fsdp_replay._compat.state import in_backward, param_groups
 
 if INTERNALS_OK:
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
@@ -34,7 +35,7 @@ def report_pre_backward(state: Any, on_backward_use: Callable[[], None]) -> bool
     if not INTERNALS_OK:
         return False
     fsdp_pre_backward = type(state)._pre_backward.__get__(state)
-    groups = state._fsdp_param_groups
+    groups = param_groups(state)
     pre_backward_state = TrainingState.PRE_BACKWARD  # read per use: [Note: Enum members on the per-demand path]
 
     def pre_backward(grad: torch.Tensor) -> torch.Tensor:
@@ -97,13 +98,13 @@ def intercept_group_calls(
     """
     if not INTERNALS_OK:
         return False
-    for group in state._fsdp_param_groups:
+    for group in param_groups(state):
         GroupShadow.of(state, group).interception = Interception(skip_lifecycle_reshard, on_other_party)
     return True
 
 
 def stop_intercepting_group_calls(state: Any) -> None:
-    for group in state._fsdp_param_groups if INTERNALS_OK else ():
+    for group in param_groups(state) if INTERNALS_OK else ():
         if (shadow := GroupShadow.installed(group)) is not None:
             shadow.interception = None
             shadow.release_if_unused()
@@ -151,6 +152,8 @@ class _NothingToPrefetch:
     unit itself there would cost a no-op ``_prefetch_unshard``, a profiler range, per backward use)."""
 
     _fsdp_param_groups: tuple[()] = ()
+    _fsdp_param_group: None = None
+    """torch 2.11 reads the single group of each state in the list (``state._fsdp_param_group``)."""
 
 
 _NOTHING_TO_PREFETCH = _NothingToPrefetch()
@@ -163,8 +166,9 @@ def disable_own_prefetch(state: Any) -> tuple[Any, Any]:
     Returns ``(saved, installed)`` for :func:`restore_own_prefetch`.
     """
     if not INTERNALS_OK:  # the lists cannot be read publicly: detach() leaves FSDP2's defaults
-        state.set_modules_to_forward_prefetch([])
-        state.set_modules_to_backward_prefetch([state])
+        if public.prefetches(state):  # see [Note: the public fallback prefetches on the host only]
+            state.set_modules_to_forward_prefetch([])
+            state.set_modules_to_backward_prefetch([state])
         return None, None
     saved = (state._states_to_forward_prefetch, state._states_to_backward_prefetch)
     installed: tuple[list[Any], list[Any]] = ([], [_NOTHING_TO_PREFETCH])
@@ -179,8 +183,9 @@ def restore_own_prefetch(state: Any, saved: Any, installed: Any) -> None:
     See [Note: fsdp_replay never owns FSDP2's settings].
     """
     if not INTERNALS_OK:
-        state.set_modules_to_forward_prefetch([])
-        state.set_modules_to_backward_prefetch([])
+        if public.prefetches(state):
+            state.set_modules_to_forward_prefetch([])
+            state.set_modules_to_backward_prefetch([])
         return
     if state._states_to_forward_prefetch is installed[0]:
         state._states_to_forward_prefetch = saved[0]

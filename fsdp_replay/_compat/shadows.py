@@ -22,6 +22,7 @@ from fsdp_replay._compat.guard import INTERNALS_OK
 
 if INTERNALS_OK:
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
     _USE_STATES = (TrainingState.FORWARD, TrainingState.PRE_BACKWARD)
     """A group is in one of FSDP2's own uses (pre-forward, pre-backward) in these states."""
@@ -48,7 +49,11 @@ class Interception:
         self.on_other_party = on_other_party
 
 
-_SHADOWED = ("reshard", "unshard", "_reset_iter_state")
+_SHADOWED = tuple(
+    name
+    for name in ("reshard", "unshard", "_reset_iter_state")  # no group _reset_iter_state before torch 2.13
+    if INTERNALS_OK and hasattr(FSDPParamGroup, name)
+)
 _LIFECYCLE = ("post_forward", "post_backward")
 _TIMED = "wait_for_unshard"
 """Shadowed only while a timer is registered: a use costs no extra call otherwise."""

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import enum
-from typing import Any, Iterator
+import operator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.nn as nn
@@ -11,7 +12,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.utils._pytree import tree_leaves
 
 from fsdp_replay._compat import public
-from fsdp_replay._compat.guard import INTERNALS_OK
+from fsdp_replay._compat.guard import INTERNALS_OK, TORCH_RELEASE
 from fsdp_replay.stats import Demand
 
 if INTERNALS_OK:
@@ -32,19 +33,30 @@ def fsdp_state(module: nn.Module) -> Any:
     return module
 
 
+if TORCH_RELEASE >= (2, 12):
+    param_groups: Callable[[Any], Sequence[Any]] = operator.attrgetter("_fsdp_param_groups")
+    """FSDP2's param groups of a state, in order: FSDP2's own list (do not modify it)."""
+else:
+
+    def param_groups(state: Any) -> Sequence[Any]:
+        """FSDP2's param groups of a state: torch 2.11 holds at most one, ``_fsdp_param_group``."""
+        group = state._fsdp_param_group
+        return () if group is None else (group,)
+
+
 def state_modules(state: Any) -> tuple[nn.Module, ...]:
     return tuple(state._modules) if INTERNALS_OK else (state,)
 
 
 def has_params(state: Any) -> bool:
     if INTERNALS_OK:
-        return bool(state._fsdp_param_groups)
+        return bool(param_groups(state))
     return any(True for _ in public.managed_params(state))
 
 
 def fsdp_params(state: Any) -> Iterator[Any]:
     """FSDP2's record (``FSDPParam``) of each of the unit's own parameters, group by group."""
-    for group in state._fsdp_param_groups:
+    for group in param_groups(state):
         yield from group.fsdp_params
 
 
@@ -73,7 +85,7 @@ def is_root_initialized_as_child(state: Any) -> bool:
 def process_group(state: Any) -> Any:
     """The process group the unit all-gathers over (what cross-rank checks must use)."""
     if INTERNALS_OK:
-        return state._fsdp_param_groups[0]._all_gather_process_group if state._fsdp_param_groups else None
+        return groups[0]._all_gather_process_group if (groups := param_groups(state)) else None
     return public.process_group(state)
 
 
@@ -92,7 +104,7 @@ _HIT, _RESIDENT, _MISS = Demand.hit, Demand.resident, Demand.miss
 
 def classify_demand(state: Any) -> Demand:
     """How a demand finds the unit: a gather pending (hit), unsharded (resident), or neither (miss)."""
-    if INTERNALS_OK and len(groups := state._fsdp_param_groups) == 1:  # the common case, in one call
+    if INTERNALS_OK and len(groups := param_groups(state)) == 1:  # the common case, in one call
         group = groups[0]
         if group._all_gather_result is not None:
             return _HIT
@@ -108,7 +120,7 @@ def is_pending(state: Any) -> bool:
     """An all-gather was issued and not yet waited on (public API: only the scheduler's own)."""
     if not INTERNALS_OK:
         return state in public.pending
-    groups = state._fsdp_param_groups
+    groups = param_groups(state)
     if len(groups) == 1:  # the common case, without a generator per call
         return groups[0]._all_gather_result is not None
     return any(g._all_gather_result is not None for g in groups)
@@ -118,7 +130,7 @@ def is_resident(state: Any) -> bool:
     """Parameters are unsharded (no all-gather needed)."""
     if not INTERNALS_OK:
         return public.is_resident(state)
-    return all(g.is_unsharded for g in state._fsdp_param_groups)
+    return all(g.is_unsharded for g in param_groups(state))
 
 
 def is_sharded_idle(state: Any) -> bool:
@@ -128,7 +140,7 @@ def is_sharded_idle(state: Any) -> bool:
 
 def in_use(state: Any) -> bool:
     """A forward or backward of the unit is running, so FSDP2 reshards it when that use ends."""
-    return INTERNALS_OK and any(g._training_state not in IDLE_STATES for g in state._fsdp_param_groups)
+    return INTERNALS_OK and any(g._training_state not in IDLE_STATES for g in param_groups(state))
 
 
 class Standing(enum.Enum):
@@ -150,7 +162,7 @@ def standing(state: Any) -> Standing:
     """:class:`Standing` of the unit (the refill asks this for every entry it looks at)."""
     if not INTERNALS_OK:
         return Standing.provided if is_pending(state) or is_resident(state) else Standing.sharded
-    groups = state._fsdp_param_groups
+    groups = param_groups(state)
     if len(groups) == 1:  # the common case, without generators or Enum member lookups
         group = groups[0]
         if group._training_state not in IDLE_STATES:

@@ -16,6 +16,7 @@ from typing import Any
 
 from fsdp_replay._compat.guard import INTERNALS_OK
 from fsdp_replay._compat.shadows import GroupShadow, Timer, Waited, WaitedOnDevice
+from fsdp_replay._compat.state import param_groups
 
 
 def time_waits(state: Any, waited: Waited, waited_on_device: WaitedOnDevice) -> Timer | None:
@@ -24,12 +25,12 @@ def time_waits(state: Any, waited: Waited, waited_on_device: WaitedOnDevice) -> 
     if not INTERNALS_OK:
         return None
     timer = (waited, waited_on_device)
-    for group in state._fsdp_param_groups:
+    for group in param_groups(state):
         GroupShadow.of(state, group).add_timer(timer)
     return timer
 
 
 def stop_timing_waits(state: Any, timer: Timer) -> None:
-    for group in state._fsdp_param_groups if INTERNALS_OK else ():
+    for group in param_groups(state) if INTERNALS_OK else ():
         if (shadow := GroupShadow.installed(group)) is not None and timer in shadow.timers:
             shadow.remove_timer(timer)

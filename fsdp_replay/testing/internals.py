@@ -7,14 +7,20 @@ code it checks (as in :mod:`fsdp_replay.testing.observer`).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch.nn as nn
 from torch.distributed._composable_state import _get_module_state
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 
 from fsdp_replay._window import PrefetchWindow
 from fsdp_replay.scheduler import PrefetchScheduler
+
+
+HAS_RESET_ITER_STATE = hasattr(FSDPModule, "reset_iter_state")
+"""torch 2.13+: FSDP2 recovers from an exception mid-iteration; 2.11/2.12 have no such call, so
+tests of recovery are skipped there."""
 
 
 def fsdp_state(module: nn.Module) -> Any:
@@ -22,13 +28,17 @@ def fsdp_state(module: nn.Module) -> Any:
     return _get_module_state(module)
 
 
-def param_groups(unit: nn.Module | Any) -> list[Any]:
+def param_groups(unit: nn.Module | Any) -> Sequence[Any]:
     """FSDP2's param groups of a ``fully_shard`` module, or of an FSDP2 state (e.g. ``Unit.state``).
 
-    FSDP2's own list, not a copy (the observer reads it at every demand): do not modify it.
+    FSDP2's own list where it keeps one (torch 2.13+; the observer reads it at every demand): do
+    not modify it.
     """
     state = _get_module_state(unit) if isinstance(unit, nn.Module) else unit
-    return state._fsdp_param_groups
+    if (groups := getattr(state, "_fsdp_param_groups", None)) is not None:
+        return groups
+    group = state._fsdp_param_group  # torch 2.11: at most one group per state
+    return () if group is None else (group,)
 
 
 def gather_pending(group: Any) -> bool:
@@ -75,7 +85,7 @@ def counting_all_gathers() -> Iterator[list[int]]:
 
 def fsdp_params(state: Any) -> Iterator[Any]:
     """FSDP2's per-parameter records (``FSDPParam``) of a unit's state."""
-    for group in state._fsdp_param_groups:
+    for group in param_groups(state):
         yield from group.fsdp_params
 
 
@@ -94,5 +104,5 @@ def iteration_bookkeeping(root_state: Any, states: list[Any]) -> int:
     """Entries in FSDP2's per-iteration lists (the post-forward order and each group's indices):
     they must not grow from one iteration to the next."""
     return len(root_state._comm_ctx.post_forward_order) + sum(
-        len(g._post_forward_indices) for s in states for g in s._fsdp_param_groups
+        len(g._post_forward_indices) for s in states for g in param_groups(s)
     )

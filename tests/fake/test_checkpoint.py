@@ -49,9 +49,9 @@ def test_a_changed_model_is_said_in_one_line_and_recorded_again(caplog):
 
 def test_another_torch_release_is_said_and_recorded_again(caplog):
     state = _recorded_state(8)
-    state["signature"]["torch"] = "2.12"
+    state["signature"]["torch"] = "2.10"  # a release no CI leg runs
     stats, said = _resume(8, state, caplog)
-    assert len(said) == 1 and "torch 2.12 -> " in said[0] and stats["recordings"] == 1
+    assert len(said) == 1 and "torch 2.10 -> " in said[0] and stats["recordings"] == 1
 
 
 def test_a_version_1_state_still_loads(caplog):

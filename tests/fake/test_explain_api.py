@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from fsdp_replay import MissReason, PrefetchConfig, Served, WaitMeter, attach
+from fsdp_replay.testing.internals import param_groups
 from fsdp_replay.testing.workloads import linear_stack
 
 
@@ -105,7 +106,7 @@ def test_wait_meter_rejects_a_model_without_units_and_restores_fsdp2(mesh8):
     with pytest.raises(ValueError, match="WaitMeter: no fully_shard unit with parameters under Linear"):
         WaitMeter(torch.nn.Linear(2, 2))
     model = linear_stack(mesh8)
-    group = model[0]._get_fsdp_state()._fsdp_param_groups[0]
+    group = param_groups(model[0])[0]
     with WaitMeter(model) as meter:
         assert "wait_for_unshard" in group.__dict__
         _step(model)

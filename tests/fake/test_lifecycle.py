@@ -87,7 +87,7 @@ def test_detach_restores_hooks_and_fsdp2_prefetch_settings(mesh8):
     sched = attach(model)
     # No forward list, and a backward list FSDP2 finds nothing to gather in (implicit prefetch off).
     backward = state0._states_to_backward_prefetch
-    assert state0._states_to_forward_prefetch == [] and backward and not any(s._fsdp_param_groups for s in backward)
+    assert state0._states_to_forward_prefetch == [] and backward and not any(param_groups(s) for s in backward)
     with sched.iteration("train"):
         run_iteration(model, w, 0)
     sched.detach()
