@@ -25,10 +25,14 @@ def fsdp_state(module: nn.Module) -> Any:
 def param_groups(unit: nn.Module | Any) -> list[Any]:
     """FSDP2's param groups of a ``fully_shard`` module, or of an FSDP2 state (e.g. ``Unit.state``).
 
-    FSDP2's own list, not a copy (the observer reads it at every demand): do not modify it.
+    FSDP2's own list on torch 2.13+, not a copy (the observer reads it at every demand): do not modify it.
     """
     state = _get_module_state(unit) if isinstance(unit, nn.Module) else unit
-    return state._fsdp_param_groups
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return groups
+    # torch 2.11-2.12 hold one group, or None, per state: a list of it, made per call.
+    return [state._fsdp_param_group] if state._fsdp_param_group is not None else []
 
 
 def gather_pending(group: Any) -> bool:
@@ -75,7 +79,7 @@ def counting_all_gathers() -> Iterator[list[int]]:
 
 def fsdp_params(state: Any) -> Iterator[Any]:
     """FSDP2's per-parameter records (``FSDPParam``) of a unit's state."""
-    for group in state._fsdp_param_groups:
+    for group in param_groups(state):
         yield from group.fsdp_params
 
 
@@ -94,5 +98,5 @@ def iteration_bookkeeping(root_state: Any, states: list[Any]) -> int:
     """Entries in FSDP2's per-iteration lists (the post-forward order and each group's indices):
     they must not grow from one iteration to the next."""
     return len(root_state._comm_ctx.post_forward_order) + sum(
-        len(g._post_forward_indices) for s in states for g in s._fsdp_param_groups
+        len(g._post_forward_indices) for s in states for g in param_groups(s)
     )
