@@ -114,6 +114,22 @@ def _step(contender: Any, step: int, device: torch.device) -> dict[str, Any]:
     return record
 
 
+def _alternate(
+    contenders: list[Any], link: EmulatedLink, g: GpuLinkConfig, device: torch.device, collectives: list[tuple[str, int]]
+) -> dict[str, list[dict[str, Any]]]:
+    """Warmup, then timed steps, one contender after another; fills an empty ``collectives`` with
+    demand's in its first replayed step (one gather per use: what the link must carry)."""
+    records: dict[str, list[dict[str, Any]]] = {c.mode: [] for c in contenders}
+    for step in range(g.warmup_steps + g.steps):
+        for c in contenders:
+            link.log = collectives if c.mode == "demand" and step == 1 and not collectives else None
+            record = _step(c, step, device)
+            if step >= g.warmup_steps:
+                records[c.mode].append(record)
+    link.log = None
+    return records
+
+
 def measure_workload(w: Workload, mesh: Any, link: EmulatedLink, cfg: BenchConfig, device: torch.device) -> dict[str, Any]:
     """Every contender of ``w`` in alternation at each bandwidth, then the bound at each."""
     g = cfg.gpu_link
@@ -125,18 +141,9 @@ def measure_workload(w: Workload, mesh: Any, link: EmulatedLink, cfg: BenchConfi
     collectives: list[tuple[str, int]] = []
     for bandwidth in g.bandwidth_gbps:
         link.bandwidth_gbps = bandwidth
-        records: dict[str, list[dict[str, Any]]] = {c.mode: [] for c in contenders}
-        for step in range(g.warmup_steps + g.steps):
-            for c in contenders:
-                # demand's collectives in a replayed step: one gather per use, what the link must carry
-                link.log = collectives if c.mode == "demand" and step == 1 and not collectives else None
-                record = _step(c, step, device)
-                if step >= g.warmup_steps:
-                    records[c.mode].append(record)
-        link.log = None
-        per_bandwidth[str(bandwidth)] = {"records": records}
+        per_bandwidth[str(bandwidth)] = {"records": _alternate(contenders, link, g, device, collectives)}
     release(contenders)
-    del contenders
+    del contenders  # the models' memory goes before the unsharded compute-only model is built
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -161,7 +168,8 @@ def measure(cfg: BenchConfig) -> dict[str, Any]:
             for w in link_workloads(g, device):
                 start = time.perf_counter()
                 results[w.name] = measure_workload(w, mesh, link, cfg, device)
-                print(f"bench: {w.name} measured in {time.perf_counter() - start:.1f} s", flush=True)
+                # Figures as they come: a run stopped by a time limit still leaves them in its log.
+                print(f"bench: {w.name} measured in {time.perf_counter() - start:.1f} s; {_brief(results[w.name])}", flush=True)
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "link": (
@@ -171,6 +179,15 @@ def measure(cfg: BenchConfig) -> dict[str, Any]:
         ),
         "workloads": summarize(results),
     }
+
+
+def _brief(measured: dict[str, Any]) -> str:
+    """One line per workload: each contender's median step ms and the bound, at each bandwidth."""
+    parts = []
+    for bandwidth, b in measured["bandwidths"].items():
+        steps = ", ".join(f"{c} {statistics.median(r['step_s'] for r in rs) * 1e3:.1f}" for c, rs in b["records"].items())
+        parts.append(f"{float(bandwidth):g} GB/s: {steps} ms (bound {b['bound']['bound_s'] * 1e3:.1f})")
+    return "; ".join(parts)
 
 
 def summarize(results: dict[str, Any]) -> dict[str, Any]:
