@@ -5,6 +5,7 @@
     python bench/bench.py suite=pipeline bench.update_benchmarks_md=BENCHMARKS.md   # pipeline parallelism
     python bench/bench.py suite=explain 'bench.workloads=[checkpointed]'           # where a replayed step waits
     python bench/bench.py suite=depths bench.update_benchmarks_md=BENCHMARKS.md    # auto beside fixed depths
+    python bench/bench.py suite=gpu_link 'gpu_link.bandwidth_gbps=[50,100]'         # one GPU, emulated link
 
 One run measures every workload of ``bench.workloads`` in every mode (plain FSDP2, demand, static,
 record_and_replay), stepping the modes in alternation, then the compute-only and
@@ -18,6 +19,9 @@ step of each of ``bench.workloads``, with ``measure_waits=True``, and draws its 
 ``bench.depths`` (default 1, 2, 3, auto; both phases) in alternation on every workload, with
 ``DEPTH_SETTLE_STEPS`` more warmup steps for ``auto`` to settle, and reports each one's ratio to
 demand and to the best fixed depth, and the depth each ran with (no bound, no CPU cost).
+``suite=gpu_link`` runs in this process on one GPU: the fake backend's rank 0 of ``gpu_link.world_size``
+with an emulated link (``bench_gpu_link``, docs/GPU.md); with ``bench.quick=true`` and no GPU it runs
+its plumbing on CPU, with no link.
 
 On CPU as root, both ranks run inside a network namespace whose loopback is rate limited
 (``netns.rate``, tbf), so communication costs wall time as on a cluster link; the namespace is
@@ -46,6 +50,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+import bench_gpu_link
 import bench_netns
 import bench_report
 from bench_config import BenchConfig
@@ -131,8 +136,10 @@ def main(cfg: DictConfig) -> None:
     overrides = " ".join(HydraConfig.get().overrides.task)
     command = f"python bench/bench.py {overrides}".strip()
     standard = job.suite == "standard"
-    device = "cuda" if torch.cuda.is_available() and job.suite in ("standard", "depths") else "cpu"
+    device = "cuda" if torch.cuda.is_available() and job.suite in ("standard", "depths", "gpu_link") else "cpu"
     load_before = os.getloadavg()
+    if job.suite == "gpu_link":
+        return measure_gpu_link(job, run_dir, command, device, load_before)
     namespaced, interconnect = use_namespace(job, device)
     print(f"bench/bench.py: {device}, interconnect: {interconnect or 'rate-limited namespace ' + job.netns.rate}", flush=True)
 
@@ -178,18 +185,44 @@ def main(cfg: DictConfig) -> None:
         report["targets"] = bench_report.check_targets(workloads, cpu_cost)
         report["plot"] = bench_report.plot(report, run_dir / "bench.png") if job.bench.plot else None
         section = bench_report.render(report)
-    (run_dir / "results.json").write_text(json.dumps(report, indent=1))
-    (run_dir / "table.md").write_text(section + "\n")
+    figures = {}
     if job.bench.update_benchmarks_md:
         md = Path(job.bench.update_benchmarks_md)
         figures = {report["plot"]: md.parent / f"bench_{device}.png"} if report["plot"] else {}
         figures.update({w["plot"]: md.parent / "docs" / w["plot"] for w in report.get("explain", {}).values() if w["plot"]})
-        section = publish_figures(section, run_dir, figures, md)
-        bench_report.update_markdown(md, section, device if standard else f"{job.suite}:{device}")
-    print(section)
+    publish(job, report, section, run_dir, device if standard else f"{job.suite}:{device}", figures)
     if job.bench.plot and report["plot"] is None and standard:
         print("bench/bench.py: matplotlib is not installed; no plot (pip install matplotlib)")
+
+
+def publish(
+    job: BenchConfig, report: dict[str, Any], section: str, run_dir: Path, region: str, figures: dict[str, Path]
+) -> None:
+    """Write ``results.json`` and ``table.md``, replace ``region`` of BENCHMARKS.md when asked, print the section."""
+    (run_dir / "results.json").write_text(json.dumps(report, indent=1))
+    (run_dir / "table.md").write_text(section + "\n")
+    if job.bench.update_benchmarks_md:
+        md = Path(job.bench.update_benchmarks_md)
+        section = publish_figures(section, run_dir, figures, md)
+        bench_report.update_markdown(md, section, region)
+    print(section)
     print(f"bench/bench.py: results in {run_dir}")
+
+
+def measure_gpu_link(job: BenchConfig, run_dir: Path, command: str, device: str, load_before: tuple[float, ...]) -> None:
+    """``suite=gpu_link``: one process, one GPU, an emulated link (no ranks to start, no namespace)."""
+    if device == "cpu" and not job.bench.quick:
+        raise SystemExit(
+            "bench/bench.py: suite=gpu_link needs a CUDA device at its sizes; bench.quick=true runs its plumbing on CPU"
+        )
+    print(f"bench/bench.py: {device}, suite=gpu_link, emulated world {job.gpu_link.world_size}", flush=True)
+    start = time.perf_counter()
+    measured = bench_gpu_link.measure(job)
+    report = {
+        "command": command, "config": job.to_dict(), "machine": machine(load_before),
+        "wall_s": time.perf_counter() - start, **measured,
+    }
+    publish(job, report, bench_gpu_link.render(report), run_dir, f"gpu_link:{device}", {})
 
 
 if __name__ == "__main__":

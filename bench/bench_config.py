@@ -14,10 +14,22 @@ from fsdp_replay.config import require_at_least
 MODES = ("plain", "demand", "static", "record_and_replay")
 """``plain`` is torch's ``fully_shard`` with no scheduler attached (FSDP2's own default prefetch)."""
 WORKLOADS = ("sequential", "out_of_order", "shared_block", "checkpointed", "interleaved_1f1b")
-SUITES = ("standard", "pipeline", "explain", "depths")
+SUITES = ("standard", "pipeline", "explain", "depths", "gpu_link")
 """``standard``: ``bench.workloads`` on ``bench.world_size`` ranks; ``pipeline``: the ``pipeline`` node;
 ``explain``: ``sched.explain()`` of a replayed ``record_and_replay`` step of each of ``bench.workloads``;
-``depths``: plain, demand and ``record_and_replay`` at each of ``bench.depths``, on ``bench.workloads``."""
+``depths``: plain, demand and ``record_and_replay`` at each of ``bench.depths``, on ``bench.workloads``;
+``gpu_link``: the ``gpu_link`` node, one GPU with an emulated link (``bench_gpu_link``)."""
+LINK_WORKLOADS = ("sequential", "out_of_order", "shared_block", "checkpointed", "host_sync", "interleaved_2mb")
+"""``suite=gpu_link``'s workloads: canonical ones, ``host_sync`` (each block reads a value to the host)
+and ``interleaved_2mb`` (F0 F1 B0 B1); ``interleaved_1f1b`` (3 microbatches) may be added."""
+LINK_CONTENDERS = {
+    "plain": ("plain", None),
+    "demand": ("demand", None),
+    "static": ("static", None),
+    "record_and_replay": ("record_and_replay", None),
+    "record_and_replay depth 2": ("record_and_replay", 2),
+}
+"""What ``suite=gpu_link`` steps in alternation: name -> (mode, depth of both phases; None: the package default)."""
 AUTO = "auto"
 DEPTH_SETTLE_STEPS = 6
 """``suite=depths`` steps every contender this many more warmup steps than ``bench.warmup_steps``: an
@@ -176,6 +188,60 @@ class PipelineConfig:
 
 
 @dataclass
+class GpuLinkConfig:
+    """``suite=gpu_link``: one GPU plays rank 0 of ``world_size`` on the fake backend, with every
+    all-gather and reduce-scatter holding one emulated link (``fsdp_replay.testing.link``).
+
+    Blocks are transformer blocks (pre-norm causal attention, then an MLP), built on the GPU in
+    ``dtype``; a microbatch is ``rows`` rows, ``rows / seq_len`` sequences. ``bench.quick=true``
+    shrinks everything (how CI runs the suite's plumbing on CPU, with no link).
+    """
+
+    bandwidth_gbps: Any = 50.0
+    """Link bandwidth in GB/s (1e9 bytes), or a list: every workload is measured at each in turn."""
+    world_size: int = 8
+    """Emulated ranks: a collective over B unsharded bytes holds the link B * (N-1)/N / bandwidth."""
+    workloads: list[str] = field(default_factory=lambda: list(LINK_WORKLOADS))
+    dim: int = 4096
+    hidden: int = 14336
+    """MLP width: a block is 4 dim^2 (attention) + 2 dim x hidden parameters (184M at the defaults)."""
+    heads: int = 32
+    seq_len: int = 2048
+    rows: int = 8192
+    n_blocks: int = 6
+    dtype: str = "bfloat16"
+    warmup_steps: int = 3
+    """Per bandwidth, per contender, before timing; the first record_and_replay scope records."""
+    steps: int = 8
+    """Timed steps per contender and bandwidth (the median is reported)."""
+    bound_steps: int = 3
+
+    def __post_init__(self) -> None:
+        raw = self.bandwidth_gbps
+        values = list(raw) if isinstance(raw, (list, tuple)) or type(raw).__name__ == "ListConfig" else [raw]
+        if not values or any(isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0 for v in values):
+            raise ValueError(f"GpuLinkConfig.bandwidth_gbps must be a positive number of GB/s or a list of them, got {raw!r}")
+        self.bandwidth_gbps = [float(v) for v in values]
+        require_at_least(2, self, "world_size", "warmup_steps")
+        require_at_least(1, self, "dim", "hidden", "heads", "seq_len", "rows", "n_blocks", "steps", "bound_steps")
+        if self.dim % self.heads or self.rows % self.seq_len:
+            raise ValueError(
+                f"GpuLinkConfig: dim {self.dim} must be a multiple of heads {self.heads}, "
+                f"and rows {self.rows} a multiple of seq_len {self.seq_len}"
+            )
+        known = (*LINK_WORKLOADS, "interleaved_1f1b")
+        if not self.workloads or any(w not in known for w in self.workloads):
+            raise ValueError(f"GpuLinkConfig.workloads: got {self.workloads}; pick from {', '.join(known)}")
+        if self.dtype not in ("bfloat16", "float16", "float32"):
+            raise ValueError(f"GpuLinkConfig.dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
+
+    def shrink(self) -> None:
+        """``bench.quick``: tiny blocks and two timed steps (the CPU plumbing run)."""
+        self.dim, self.hidden, self.heads, self.seq_len, self.rows, self.n_blocks = 64, 128, 4, 8, 16, 4
+        self.warmup_steps, self.steps, self.bound_steps = 2, 2, 1
+
+
+@dataclass
 class BenchConfig:
     """Top-level config of ``bench/bench.py``."""
 
@@ -185,6 +251,7 @@ class BenchConfig:
     netns: NetnsConfig = field(default_factory=NetnsConfig)
     cpu_cost: CpuCostConfig = field(default_factory=CpuCostConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    gpu_link: GpuLinkConfig = field(default_factory=GpuLinkConfig)
 
     def __post_init__(self) -> None:
         if self.suite not in SUITES:
@@ -192,6 +259,7 @@ class BenchConfig:
         if self.bench.quick:
             self.cpu_cost.units, self.cpu_cost.steps, self.cpu_cost.warmup_steps = 16, 3, 2
             self.pipeline.dim, self.pipeline.blocks_per_stage, self.pipeline.rows = 32, 2, 16
+            self.gpu_link.shrink()
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -206,6 +274,7 @@ class BenchConfig:
             netns=NetnsConfig(**d["netns"]),
             cpu_cost=CpuCostConfig(**d["cpu_cost"]),
             pipeline=PipelineConfig(**d["pipeline"]),
+            gpu_link=GpuLinkConfig(**d["gpu_link"]),
         )
         cfg.bench.quick = d["bench"]["quick"]
         return cfg

@@ -313,10 +313,7 @@ def measure_rank(mesh: DeviceMesh, cfg_dict: dict[str, Any], out_dir: str) -> di
     results: dict[str, Any] = {}
     with probe.installed():
         for name in run.workloads:
-            w = workload(name, dim=run.dim, hidden=run.hidden, n_blocks=run.n_blocks, rows=run.rows)
-            if device.type == "cuda":
-                base = w.make_batch
-                w = dataclasses.replace(w, make_batch=lambda s, mb, base=base: base(s, mb).to(device))
+            w = workload(name, dim=run.dim, hidden=run.hidden, n_blocks=run.n_blocks, rows=run.rows).on(device)
             start = time.perf_counter()
             results[name] = measure_workload(mesh, w, run, probe, device, Path(out_dir), specs, warmup_steps)
             if dist.get_rank() == 0:

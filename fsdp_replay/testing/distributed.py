@@ -118,12 +118,16 @@ def _diagnosis(diagnose: Callable[[], str] | None) -> str:
 
 
 @contextlib.contextmanager
-def fake_world(world_size: int) -> Iterator[DeviceMesh]:
-    """A single-process FSDP2 world on the fake backend: collectives are no-ops, ordering is real."""
+def fake_world(world_size: int, device_type: str = "cpu") -> Iterator[DeviceMesh]:
+    """A single-process FSDP2 world on the fake backend: collectives are no-ops, ordering is real.
+
+    With ``device_type="cuda"`` the one process plays rank 0 of ``world_size`` on one GPU: real
+    compute, streams and events, no data moved (``bench/bench_link.py`` gives it a link's time).
+    """
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
-        yield init_device_mesh("cpu", (world_size,))
+        yield init_device_mesh(device_type, (world_size,))
     finally:
         dist.destroy_process_group()

@@ -31,7 +31,7 @@ def fsdp_state(module: nn.Module) -> Any:
 def param_groups(unit: nn.Module | Any) -> Sequence[Any]:
     """FSDP2's param groups of a ``fully_shard`` module, or of an FSDP2 state (e.g. ``Unit.state``).
 
-    FSDP2's own list where it keeps one (torch 2.13+; the observer reads it at every demand): do
+    FSDP2's own list where it keeps one (torch 2.12+; the observer reads it at every demand): do
     not modify it.
     """
     state = _get_module_state(unit) if isinstance(unit, nn.Module) else unit

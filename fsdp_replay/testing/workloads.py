@@ -6,9 +6,10 @@ iteration: a schedule of microbatch forwards ``("F", i)`` and backwards ``("B", 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 import enum
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -57,11 +58,17 @@ class Block(nn.Module):
         return x + self.down(torch.nn.functional.silu(self.up(x)))
 
 
+BlockFactory = Callable[[int, int], nn.Module]
+"""``(dim, hidden) -> block``: what a workload's blocks are (default :class:`Block`; the GPU
+benchmark passes transformer blocks)."""
+
+
 class CallSequenceModel(nn.Module):
     """Input projection, then blocks called in ``calls`` order (repeats = shared blocks), then a head.
 
     ``checkpoint_spans`` are ``(start, stop)`` slices of ``calls`` run under activation
     checkpointing (non-reentrant unless ``reentrant``), so their units are recomputed inside backward.
+    Each block is ``block(dim, hidden)``; a block maps ``(rows, dim)`` to ``(rows, dim)``.
     """
 
     def __init__(
@@ -73,10 +80,11 @@ class CallSequenceModel(nn.Module):
         calls: Sequence[int],
         checkpoint_spans: Sequence[tuple[int, int]] = (),
         reentrant: bool = False,
+        block: BlockFactory = Block,
     ) -> None:
         super().__init__()
         self.inp = nn.Linear(dim, dim)
-        self.blocks = nn.ModuleList(Block(dim, hidden) for _ in range(n_blocks))
+        self.blocks = nn.ModuleList(block(dim, hidden) for _ in range(n_blocks))
         self.head = nn.Linear(dim, 1)
         self.calls = list(calls)
         self.checkpoint_spans = sorted(checkpoint_spans)
@@ -143,6 +151,20 @@ class Workload:
     def microbatches(self) -> int:
         return 1 + max(mb for _, mb in self.schedule)
 
+    def on(self, device: torch.device | str, dtype: torch.dtype | None = None) -> Workload:
+        """This workload with its batches on ``device`` (floating ones cast to ``dtype`` if given).
+
+        Batches are drawn on the CPU from a seeded generator, so every device sees the same
+        inputs; the model goes where ``fully_shard``'s mesh puts it.
+        """
+        make = self.make_batch
+
+        def moved(step: int, mb: int) -> torch.Tensor:
+            batch = make(step, mb)
+            return batch.to(device, dtype=dtype if dtype is not None and batch.is_floating_point() else None)
+
+        return dataclasses.replace(self, make_batch=moved)
+
 
 def linear_stack(mesh, *, layers: int = 4, dim: int = 8) -> nn.Module:
     """``nn.Sequential`` of seeded ``Linear(dim, dim)`` layers, one unit each, under a parameter-free root."""
@@ -188,12 +210,17 @@ def _seeded(factory: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
     return make
 
 
-def canonical_workloads(*, dim: int = 32, hidden: int = 64, n_blocks: int = 4, rows: int = 8) -> list[Workload]:
-    """The six workload shapes of the acceptance suite and the benchmark, in one place."""
+def canonical_workloads(
+    *, dim: int = 32, hidden: int = 64, n_blocks: int = 4, rows: int = 8, block: BlockFactory = Block
+) -> list[Workload]:
+    """The six workload shapes of the acceptance suite and the benchmark, in one place (the
+    ``tied_embedding`` one always has :class:`Block` blocks)."""
 
     def seq_model(calls: Sequence[int], spans: Sequence[tuple[int, int]] = ()) -> Callable[[], nn.Module]:
         return _seeded(
-            lambda: CallSequenceModel(dim=dim, hidden=hidden, n_blocks=n_blocks, calls=calls, checkpoint_spans=spans)
+            lambda: CallSequenceModel(
+                dim=dim, hidden=hidden, n_blocks=n_blocks, calls=calls, checkpoint_spans=spans, block=block
+            )
         )
 
     dense = _dense_batch(dim, rows)
@@ -220,7 +247,7 @@ def canonical_workloads(*, dim: int = 32, hidden: int = 64, n_blocks: int = 4, r
     ]
 
 
-def workload(name: str, **sizes: int) -> Workload:
+def workload(name: str, **sizes: Any) -> Workload:
     by_name = {w.name: w for w in canonical_workloads(**sizes)}
     if name not in by_name:
         raise ValueError(f"unknown workload {name!r}; workloads are {', '.join(by_name)}")

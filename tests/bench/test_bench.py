@@ -273,6 +273,45 @@ def test_depths_reject_anything_but_whole_numbers_and_auto_naming_the_bad_value(
     assert f"(bad: {bad}" in str(err.value) or bad in str(err.value)
 
 
+@pytest.fixture(scope="module")
+def gpu_link_run(tmp_path_factory) -> tuple[dict, Path, str, set[str]]:
+    run_dir = tmp_path_factory.mktemp("bench_gpu_link")
+    report, stdout, leaked = _run_bench(
+        run_dir, "suite=gpu_link", "gpu_link.bandwidth_gbps=[50,100]", "gpu_link.workloads=[checkpointed,host_sync,interleaved_2mb]"
+    )
+    return report, run_dir, stdout, leaked
+
+
+def test_gpu_link_runs_its_plumbing_without_a_gpu_and_fills_its_own_region(gpu_link_run):
+    report, run_dir, stdout, _ = gpu_link_run
+    if not torch.cuda.is_available():
+        assert report["device"] == "cpu" and report["link"].startswith("none: no CUDA device")
+    assert "### 50 GB/s" in stdout and "### 100 GB/s" in stdout
+    md = (run_dir / "BENCHMARKS.md").read_text()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    assert f"<!-- bench:results:gpu_link:{device} -->" in md and "hand-written analysis stays" in md
+    for name, w in report["workloads"].items():
+        for bandwidth, b in w["bandwidths"].items():
+            rows = b["contenders"]
+            assert list(rows) == ["plain", "demand", "static", "record_and_replay", "record_and_replay depth 2"]
+            assert rows["plain"]["x_plain"] == 1.0 and rows["demand"]["x_demand"] == 1.0
+            assert rows["record_and_replay"]["misses"] == 0 and rows["record_and_replay depth 2"]["misses"] == 0, name
+            assert rows["record_and_replay"]["depth"] == [1, 1] and rows["record_and_replay depth 2"]["depth"] == [2, 2]
+            assert rows["demand"]["depth"] is None and rows["demand"]["misses"] > 0
+            bound = b["bound"]
+            assert bound["bound_s"] == max(bound["compute_s"], bound["link_s"]) > 0
+            if not torch.cuda.is_available():
+                assert bound["link_s"] == 0.0 and rows["plain"]["peak_bytes"] is None  # no link, no CUDA allocator
+
+
+def test_gpu_link_rejects_a_bandwidth_that_is_not_a_positive_number():
+    from bench_config import GpuLinkConfig
+
+    with pytest.raises(ValueError, match=r"GpuLinkConfig.bandwidth_gbps .* got \[50, 0\]"):
+        GpuLinkConfig(bandwidth_gbps=[50, 0])
+    assert GpuLinkConfig(bandwidth_gbps=100).bandwidth_gbps == [100.0]
+
+
 def test_the_calls_profile_names_the_refill_per_demand(capsys):
     """``bench_calls.py --profile``: one refill and one scheduler demand call per demand, and a total."""
     import bench_calls

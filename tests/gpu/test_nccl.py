@@ -15,7 +15,7 @@ pytestmark = [
 
 
 def _train(mesh, name, mode):
-    w = workload(name)
+    w = workload(name).on(torch.device("cuda", torch.cuda.current_device()))
     model = w.make_model().shard(mesh)
     sched = None if mode == "plain" else attach(model, PrefetchConfig(mode=mode))
     observer = DemandObserver(model)

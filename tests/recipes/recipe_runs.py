@@ -16,15 +16,18 @@ TIMEOUT_S = 300
 """Per launch; a tiny 4-step run takes 10-20 s on 2 CPU cores, nearly all of it start-up."""
 
 
-def launch(*overrides: str, nproc: int | None = 2, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
+def launch(
+    *overrides: str, nproc: int | None = 2, cwd: Path = REPO, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """``torchrun --standalone --nproc-per-node <nproc> recipes/train.py``; plain python if ``nproc`` is None.
 
-    ``cwd`` is where Hydra's default run folders (``outputs/...``) go.
+    ``cwd`` is where Hydra's default run folders (``outputs/...``) go; ``env`` defaults to
+    :func:`cpu_env` (tests/gpu passes one that keeps the GPUs visible).
     """
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] if nproc else []
     return subprocess.run(
         [sys.executable, *launcher, str(REPO / "recipes" / "train.py"), *overrides],
-        cwd=cwd, env=cpu_env(), capture_output=True, text=True, timeout=TIMEOUT_S,
+        cwd=cwd, env=env if env is not None else cpu_env(), capture_output=True, text=True, timeout=TIMEOUT_S,
     )
 
 
