@@ -13,12 +13,15 @@ import torch
 from tqdm import tqdm
 
 from fsdp_replay import KeyStats, PrefetchScheduler, PrefetchStats
+from train_lib.checkpoint import CHECKPOINTS_DIR, saved_checkpoints
 from train_lib.plot import NOT_DRAWN, PLOT_FILE, plot_metrics
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 EXPLAIN_FILE = "explain.txt"
 ORDER_PLOT_FILE = "order.png"
+NOT_COUNTED = "n/a (plain FSDP2: no scheduler counts demands)"
+"""The summary's counter rows for ``train.prefetch_scheduler=false``: a 0 there would read as a failure."""
 
 
 def stats_delta(after: dict[str, int], before: dict[str, int]) -> KeyStats:
@@ -64,11 +67,15 @@ class RunReport:
     """Writes only on rank 0 (``enabled``); the other ranks keep no files open."""
 
     def __init__(
-        self, *, run_dir: Path, enabled: bool, mode: str, start_step: int, steps: int, tokens_per_step: int
+        self, *, run_dir: Path, enabled: bool, mode: str, start_step: int, steps: int, tokens_per_step: int,
+        resumed_from: Path | None = None,
     ) -> None:
+        """``resumed_from``: the checkpoint folder the run started from, named in the summary."""
         self.enabled = enabled
         self.run_dir = run_dir
         self.mode = mode
+        self.start_step = start_step
+        self.resumed_from = resumed_from
         self.tokens_per_step = tokens_per_step
         self.step_times: list[float] = []
         self.last_eval_loss: float | None = None
@@ -119,8 +126,11 @@ class RunReport:
         mean_step = statistics.fmean(steady) if steady else float("nan")
         peak, memory_kind = peak_memory(device)
         stats = sched.stats if sched is not None else PrefetchStats()
+        checkpoints = [str(path) for path in saved_checkpoints(self.run_dir)]
         summary = {
             "mode": self.mode,
+            "resumed_from": None if self.resumed_from is None else str(self.resumed_from),
+            "checkpoints": checkpoints,
             "steps": len(self.step_times),
             "mean_step_time_s": mean_step,
             "tokens_per_s": self.tokens_per_step / mean_step,
@@ -138,21 +148,35 @@ class RunReport:
             (self.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
         plot = self._plot() if self.enabled else ""
         explained = write_explain(sched, self.run_dir, key=explain_key) if self.enabled else ""
+        counted = sched is not None
         rows = [
             ("mode", self.mode),
             ("mean step time", f"{mean_step * 1e3:.1f} ms"),
             ("tokens/s", f"{summary['tokens_per_s']:,.0f}"),
             (f"peak memory ({memory_kind})", f"{peak / 2**20:,.1f} MiB"),
-            ("prefetch hits / misses / resident", f"{stats.hits} / {stats.misses} / {stats.resident}"),
-            ("hit rate: (hits + resident) / demands", f"{stats.hit_rate:.1%}"),
-            ("prefetches / kept / wasted", f"{stats.prefetches} / {stats.kept} / {stats.wasted}"),
-            ("divergences", str(stats.divergences)),
+            ("prefetch hits / misses / resident",
+             f"{stats.hits} / {stats.misses} / {stats.resident}" if counted else NOT_COUNTED),
+            ("hit rate: (hits + resident) / demands", f"{stats.hit_rate:.1%}" if counted else "n/a"),
+            ("prefetches / kept / wasted", f"{stats.prefetches} / {stats.kept} / {stats.wasted}" if counted else "n/a"),
+            ("divergences", str(stats.divergences) if counted else "n/a"),
             ("run folder", str(shown_path(self.run_dir))),
+        ]
+        if self.resumed_from is not None:
+            rows.append(("resumed from", f"{shown_path(self.resumed_from)} (step {self.start_step})"))
+        rows += [
+            ("checkpoints", self._checkpoints_line(checkpoints)),
             ("plot", plot),
             ("explain", explained),
         ]
         width = max(len(name) for name, _ in rows)
         return "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)
+
+    def _checkpoints_line(self, checkpoints: list[str]) -> str:
+        """Where this run's checkpoints are, with the one to resume from (or why there are none)."""
+        if not checkpoints:
+            return "none saved (train.save_every=N saves every N steps)"
+        folder = shown_path(self.run_dir / CHECKPOINTS_DIR)
+        return f"{folder}/: {', '.join(Path(c).name for c in checkpoints)} (train.resume_from=<run folder> takes the last)"
 
     def _plot(self) -> str:
         """Draw the run's metrics file (a resumed run in the same folder continues it); the summary's line."""

@@ -150,6 +150,20 @@ def test_resume_continues_bitwise_and_replays_the_restored_order(train_run: Trai
     first = resumed.metrics[0]
     assert first["recordings"] == 0 and first["misses"] == 0 and first["hits"] > 0
     assert resumed.summary["recordings"] == 0
+    assert resumed.summary["resumed_from"] == str(checkpoint.resolve())
+
+
+def test_resume_from_a_run_folder_takes_its_latest_checkpoint(train_run: TrainRun) -> None:
+    full = baseline(train_run)  # saved checkpoints/step_2 and checkpoints/step_4
+    resumed = train_run(
+        "train.steps=6", "train.eval_every=2", "train.save_every=2", "prefetch=record_and_replay",
+        f"train.resume_from={full.dir}",
+    )
+    assert [line["step"] for line in resumed.metrics] == [5, 6]
+    assert resumed.summary["resumed_from"] == str((full.dir / "checkpoints" / "step_4").resolve())
+    assert resumed.summary["recordings"] == 0  # the orders came with the checkpoint
+    # The resumed run saves into its own folder, and its summary says where.
+    assert resumed.summary["checkpoints"] == [str(resumed.dir / "checkpoints" / "step_6")]
 
 
 def test_gradient_accumulation_runs_every_microbatch_in_one_scope(train_run: TrainRun) -> None:
