@@ -41,19 +41,17 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from fsdp_replay import PrefetchMode, PrefetchScheduler, PrefetchStats, fully_shard, scheduler_of
+from fsdp_replay import PrefetchMode, PrefetchScheduler, PrefetchStats, WaitMeter, fully_shard, scheduler_of
 from fsdp_replay.testing.workloads import Pass, Schedule, interleaved, sequential
 from train_lib.checkpoint import checkpoint_dir, load_checkpoint, save_checkpoint
 from train_lib.config import MicrobatchSchedule, TrainJobConfig, quiet_nonzero_ranks, register_configs, to_job_config
 from train_lib.llama import Transformer
 from train_lib.pipeline import build_pipeline, pipeline_step, recipe_mesh
-from train_lib.report import RunReport, stats_delta
+from train_lib.report import PLAIN, RunReport, stats_delta
 from train_lib.tokens import Split, TokenData, load_tokens
 
 log = logging.getLogger("train")
 
-PLAIN = "plain"
-"""The mode name runs report with ``train.prefetch_scheduler=false``: plain FSDP2, no scheduler."""
 TRAIN_KEY = "train"
 """The scope key of every optimizer step; the run folder's ``explain.txt`` explains its last one."""
 
@@ -190,6 +188,19 @@ def global_mean(value: torch.Tensor, *, replicas: int | None = None) -> float:
 def stats_of(sched: PrefetchScheduler | None) -> dict[str, int]:
     """The scheduler's cumulative counters; all 0 for plain FSDP2, which counts nothing."""
     return (sched.stats if sched is not None else PrefetchStats()).as_dict()
+
+
+def wait_meters(modules: list[torch.nn.Module]) -> list[WaitMeter] | None:
+    """Time every mode's all-gather waits alike, plain FSDP2 included; None without FSDP2's internals."""
+    try:
+        return [WaitMeter(module) for module in modules]
+    except RuntimeError:  # the public-API fallback: waits are not measured there
+        return None
+
+
+def exposed_wait(meters: list[WaitMeter] | None) -> float | None:
+    """Seconds this rank's uses blocked on their parameters since the last call."""
+    return None if meters is None else sum(seconds for meter in meters for _, seconds in meter.take())
 
 
 @contextlib.contextmanager
@@ -380,8 +391,9 @@ def main(cfg: DictConfig) -> None:
         report = RunReport(
             run_dir=run_dir, enabled=rank == 0, mode=mode, start_step=start_step, steps=job.train.steps,
             tokens_per_step=job.train.batch_size * job.train.microbatches * job.train.seq_len * replicas,
-            resumed_from=resumed_from,
+            resumed_from=resumed_from, tensorboard=job.train.tensorboard,
         )
+        meters = wait_meters(modules)
 
         # --- train: one sched.iteration() per optimizer step, optimizer.step() after it ------
         for step in range(start_step + 1, job.train.steps + 1):
@@ -389,6 +401,7 @@ def main(cfg: DictConfig) -> None:
             if recording and sched.recorded_order(TRAIN_KEY) is None:
                 report.recording()
             before = stats_of(sched)
+            exposed_wait(meters)  # the last evaluation's waits are not this step's
             start = time.perf_counter()
             with scope(sched, TRAIN_KEY):
                 loss = run_step(step=step)
@@ -397,12 +410,15 @@ def main(cfg: DictConfig) -> None:
             loss_value = global_mean(loss, replicas=replicas)
             seconds = time.perf_counter() - start
             step_stats = stats_delta(stats_of(sched), before)
+            waited = exposed_wait(meters)
             eval_loss = None
             if eval_every and step % eval_every == 0:
                 eval_loss = evaluate(model, sched, data, batches=job.train.eval_batches, step=step, device=device)
             if job.train.save_every and step % job.train.save_every == 0:
                 save_checkpoint(checkpoint_dir(run_dir, step), model=model, optimizer=optimizer, sched=sched, step=step)
-            report.step(step, loss=loss_value, seconds=seconds, stats=step_stats, eval_loss=eval_loss)
+            report.step(
+                step, loss=loss_value, seconds=seconds, stats=step_stats, eval_loss=eval_loss, exposed_wait_s=waited
+            )
 
         # --- cleanup: the summary; leaving `distributed()` tears the process group down ------
         summary = report.finish(sched, device=device, explain_key=TRAIN_KEY)

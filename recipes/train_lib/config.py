@@ -134,6 +134,9 @@ class TrainConfig:
     """Resume from a checkpoint folder (``<run>/checkpoints/step_N``) or a run folder (its latest
     checkpoint): weights, optimizer, step and the recorded prefetch orders. Validation replaces it
     with the absolute path of the checkpoint folder."""
+    tensorboard: bool = True
+    """Also log loss, eval loss, step time, hit rate and exposed wait per step under ``<run dir>/tensorboard/``
+    (rank 0); where the ``tensorboard`` package is missing the summary says so and nothing else changes."""
     prefetch_scheduler: bool = True
     """False: plain FSDP2, torch's ``fully_shard`` with no scheduler attached (FSDP2's own prefetch)
     and ``prefetch.*`` unused: the baseline every prefetch mode must match bitwise."""
