@@ -76,7 +76,7 @@ def tensorboard_writer(log_dir: Path) -> tuple[Any | None, str]:
         from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
     except ImportError:
         return None, "not written: the tensorboard package is not installed (pip install tensorboard)"
-    return SummaryWriter(log_dir=str(log_dir)), f"{shown_path(log_dir)}/ (tensorboard --logdir {shown_path(log_dir)})"
+    return SummaryWriter(log_dir=str(log_dir)), f"{shown_path(log_dir)}/"
 
 
 class RunReport:
