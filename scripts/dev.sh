@@ -17,7 +17,7 @@ usage() {
 }
 
 # The quick tier: no process group, the fake backend, and one gloo module that runs every workload
-# in every mode against plain FSDP2 (about 1.5 minutes on 2 cores; README "Tests" has the figures).
+# in every mode against plain FSDP2 (under 2 minutes on 2 cores; README "Tests" has the measured time).
 QUICK_TESTS=(tests/unit tests/fake tests/docs tests/recipes/test_configs.py tests/recipes/test_report.py
   tests/gloo/test_workloads.py)
 
