@@ -32,7 +32,7 @@ stamp=.venv/.dev-stamp
 wanted="$({ echo "$TORCH"; cat pyproject.toml; } | cksum)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ]; then
   echo "scripts/dev.sh: installing $TORCH and fsdp_replay[test] (editable) into .venv;" \
-    "about 2 minutes the first time, later only when pyproject.toml or the torch pin changes" >&2
+    "2-4 minutes the first time, later only when pyproject.toml or the torch pin changes" >&2
   .venv/bin/pip install -q "$TORCH" numpy ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
   .venv/bin/pip install -q -e ".[test]"
   echo "$wanted" > "$stamp"
