@@ -2,7 +2,7 @@
 # One entry point that also does all set-up on a fresh machine (a .venv in the checkout):
 #   bash scripts/dev.sh train [--nproc N] [hydra overrides...]  # CPU training recipe on N gloo ranks (default 2)
 #   bash scripts/dev.sh test  [pytest args...]                  # the whole test-suite on this torch (no args)
-#   bash scripts/dev.sh test --quick [pytest args...]           # the quick tier (QUICK_TESTS), under 2 minutes
+#   bash scripts/dev.sh test --quick [pytest args...]           # the quick tier (QUICK_TESTS), about 2 minutes
 #   bash scripts/dev.sh bench [hydra overrides...]              # bench/bench.py, e.g. bench.quick=true
 #   bash scripts/dev.sh python [args...]                        # the venv's python, e.g. bench/bench_calls.py
 #   bash scripts/dev.sh torchrun [args...]                      # the venv's torchrun
@@ -17,7 +17,7 @@ usage() {
 }
 
 # The quick tier: no process group, the fake backend, and one gloo module that runs every workload
-# in every mode against plain FSDP2 (under 2 minutes on 2 cores; README "Tests" has the measured time).
+# in every mode against plain FSDP2 (about 2 minutes on 2 busy cores; README "Tests" has the measured times).
 QUICK_TESTS=(tests/unit tests/fake tests/docs tests/recipes/test_configs.py tests/recipes/test_report.py
   tests/gloo/test_workloads.py)
 
