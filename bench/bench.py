@@ -1,11 +1,13 @@
 """Benchmark plain FSDP2 and the three fsdp_replay modes side by side, against the physical limit.
 
-    python bench/bench.py bench.update_benchmarks_md=BENCHMARKS.md   # the full run (~10 min on 2 cores)
-    python bench/bench.py bench.quick=true                           # CI smoke run (~1 min)
-    python bench/bench.py suite=pipeline bench.update_benchmarks_md=BENCHMARKS.md   # pipeline parallelism
-    python bench/bench.py suite=explain 'bench.workloads=[checkpointed]'           # where a replayed step waits
-    python bench/bench.py suite=depths bench.update_benchmarks_md=BENCHMARKS.md    # auto beside fixed depths
-    python bench/bench.py suite=gpu_link 'gpu_link.bandwidth_gbps=[50,100]'         # one GPU, emulated link
+    bash scripts/dev.sh bench bench.update_benchmarks_md=BENCHMARKS.md   # the full run (~10 min on 2 cores)
+    bash scripts/dev.sh bench bench.quick=true                           # smoke run (~1 min), no verdicts
+    bash scripts/dev.sh bench suite=pipeline bench.update_benchmarks_md=BENCHMARKS.md   # pipeline parallelism
+    bash scripts/dev.sh bench suite=explain 'bench.workloads=[checkpointed]'           # where a replayed step waits
+    bash scripts/dev.sh bench suite=depths bench.update_benchmarks_md=BENCHMARKS.md    # auto beside fixed depths
+    bash scripts/dev.sh bench suite=gpu_link 'gpu_link.bandwidth_gbps=[50,100]'        # one GPU, emulated link
+
+(``scripts/dev.sh bench`` is ``python bench/bench.py`` in the checkout's venv, set up on first use.)
 
 One run measures every workload of ``bench.workloads`` in every mode (plain FSDP2, demand, static,
 record_and_replay), stepping the modes in alternation, then the compute-only and
@@ -134,7 +136,7 @@ def main(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     overrides = " ".join(HydraConfig.get().overrides.task)
-    command = f"python bench/bench.py {overrides}".strip()
+    command = f"bash scripts/dev.sh bench {overrides}".strip()
     standard = job.suite == "standard"
     device = "cuda" if torch.cuda.is_available() and job.suite in ("standard", "depths", "gpu_link") else "cpu"
     load_before = os.getloadavg()

@@ -21,10 +21,13 @@ import functools
 import logging
 import os
 import shutil
+import signal
 import sys
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
+from typing import NoReturn
 
 import hydra
 import torch
@@ -38,19 +41,17 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from fsdp_replay import PrefetchMode, PrefetchScheduler, PrefetchStats, fully_shard, scheduler_of
+from fsdp_replay import PrefetchMode, PrefetchScheduler, PrefetchStats, WaitMeter, fully_shard, scheduler_of
 from fsdp_replay.testing.workloads import Pass, Schedule, interleaved, sequential
-from train_lib.checkpoint import load_checkpoint, save_checkpoint
+from train_lib.checkpoint import checkpoint_dir, load_checkpoint, save_checkpoint
 from train_lib.config import MicrobatchSchedule, TrainJobConfig, quiet_nonzero_ranks, register_configs, to_job_config
 from train_lib.llama import Transformer
 from train_lib.pipeline import build_pipeline, pipeline_step, recipe_mesh
-from train_lib.report import RunReport, stats_delta
+from train_lib.report import PLAIN, RunReport, stats_delta
 from train_lib.tokens import Split, TokenData, load_tokens
 
 log = logging.getLogger("train")
 
-PLAIN = "plain"
-"""The mode name runs report with ``train.prefetch_scheduler=false``: plain FSDP2, no scheduler."""
 TRAIN_KEY = "train"
 """The scope key of every optimizer step; the run folder's ``explain.txt`` explains its last one."""
 
@@ -94,6 +95,39 @@ def distributed() -> Iterator[torch.device]:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+CONFIG_ERROR_MEETING = timedelta(seconds=30)
+"""How long a rank with a config error waits for its peers before exiting alone (they find the same error)."""
+
+
+def exit_on_config_error(message: str) -> NoReturn:
+    """End this rank with exit code 1 and ``message`` printed once, by rank 0; every rank finds the same error.
+
+    .. note::
+        torchrun stops every other rank with SIGTERM as soon as one rank has exited non-zero, and
+        then reports that rank as killed by a signal; rank 0 could even be killed before it
+        printed the message. So under torchrun the ranks first meet at the launcher's rendezvous
+        store (no process group is needed, and none may exist yet) and then all exit at once,
+        without unwinding through Hydra, ignoring the SIGTERM that the first exit may still bring
+        a peer in the same instant (torchrun then logs that it sent one; the rank exits 1 all the
+        same). torchrun still prints its own ``ChildFailedError`` report after the message, listing
+        every rank with exit code 1; ``scripts/dev.sh train`` validates in one process first, so
+        there the message is all there is.
+    """
+    if os.environ.get("RANK", "0") == "0":
+        print(f"recipes/train.py: invalid config: {message}", file=sys.stderr, flush=True)
+    if launch_world() > 1:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        # A peer that never comes (or a store that is gone) must not keep this rank: it exits all the same.
+        with contextlib.suppress(Exception):
+            store, _, world = next(dist.rendezvous("env://", timeout=CONFIG_ERROR_MEETING))
+            store = dist.PrefixStore("recipes/train.py config error", store)
+            if store.add("arrived", 1) == world:
+                store.set("all arrived", "1")
+            store.wait(["all arrived"])
+    sys.stdout.flush()
+    os._exit(1)
 
 
 def exit_without_finalizing() -> None:
@@ -154,6 +188,19 @@ def global_mean(value: torch.Tensor, *, replicas: int | None = None) -> float:
 def stats_of(sched: PrefetchScheduler | None) -> dict[str, int]:
     """The scheduler's cumulative counters; all 0 for plain FSDP2, which counts nothing."""
     return (sched.stats if sched is not None else PrefetchStats()).as_dict()
+
+
+def wait_meters(modules: list[torch.nn.Module]) -> list[WaitMeter] | None:
+    """Time every mode's all-gather waits alike, plain FSDP2 included; None without FSDP2's internals."""
+    try:
+        return [WaitMeter(module) for module in modules]
+    except RuntimeError:  # the public-API fallback: waits are not measured there
+        return None
+
+
+def exposed_wait(meters: list[WaitMeter] | None) -> float | None:
+    """Seconds this rank's uses blocked on their parameters since the last call."""
+    return None if meters is None else sum(seconds for meter in meters for _, seconds in meter.take())
 
 
 @contextlib.contextmanager
@@ -301,7 +348,7 @@ def main(cfg: DictConfig) -> None:
         job, data = load_job(cfg, world=launch_world())
     except ValueError as err:
         remove_if_only_hydra_files(Path(HydraConfig.get().runtime.output_dir))
-        raise SystemExit(f"recipes/train.py: invalid config: {err}") from None
+        exit_on_config_error(str(err))
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     with distributed() as device:
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -312,10 +359,9 @@ def main(cfg: DictConfig) -> None:
             try:
                 pipe = build_pipeline(job, mesh=recipe_mesh(job, device), device=device)
             except ValueError as err:  # the schedule's own check of train.microbatches; every rank finds it
-                raise SystemExit(
-                    f"recipes/train.py: invalid config: pipeline.schedule={job.pipeline.schedule} with "
-                    f"train.microbatches={job.train.microbatches}: {err}" if rank == 0 else 1
-                ) from None
+                exit_on_config_error(
+                    f"pipeline.schedule={job.pipeline.schedule} with train.microbatches={job.train.microbatches}: {err}"
+                )
             # No `model` here: evaluation and checkpoints are off under pipelines (see below and
             # TrainJobConfig, which rejects train.save_every / resume_from with pipeline.stages > 1).
             modules, sched, replicas = pipe.chunks, pipe.sched, pipe.dp_size
@@ -329,8 +375,9 @@ def main(cfg: DictConfig) -> None:
         mode = job.prefetch.mode.name if sched is not None else PLAIN
         optimizer = torch.optim.AdamW([p for module in modules for p in module.parameters()], lr=job.train.lr)
         start_step = 0
-        if job.train.resume_from is not None:
-            start_step = load_checkpoint(Path(job.train.resume_from), model=model, optimizer=optimizer, sched=sched)
+        resumed_from = Path(job.train.resume_from) if job.train.resume_from is not None else None
+        if resumed_from is not None:
+            start_step = load_checkpoint(resumed_from, model=model, optimizer=optimizer, sched=sched)
         log.info(
             "%s model, %.2fM params, %d rank(s) on %s (%s)%s, prefetch %s, data: %s, run dir %s%s",
             job.model.name, n_params / 1e6, world, device.type, dist.get_backend(), layout, mode,
@@ -344,7 +391,9 @@ def main(cfg: DictConfig) -> None:
         report = RunReport(
             run_dir=run_dir, enabled=rank == 0, mode=mode, start_step=start_step, steps=job.train.steps,
             tokens_per_step=job.train.batch_size * job.train.microbatches * job.train.seq_len * replicas,
+            resumed_from=resumed_from, tensorboard=job.train.tensorboard,
         )
+        meters = wait_meters(modules)
 
         # --- train: one sched.iteration() per optimizer step, optimizer.step() after it ------
         for step in range(start_step + 1, job.train.steps + 1):
@@ -352,6 +401,7 @@ def main(cfg: DictConfig) -> None:
             if recording and sched.recorded_order(TRAIN_KEY) is None:
                 report.recording()
             before = stats_of(sched)
+            exposed_wait(meters)  # the last evaluation's waits are not this step's
             start = time.perf_counter()
             with scope(sched, TRAIN_KEY):
                 loss = run_step(step=step)
@@ -360,13 +410,15 @@ def main(cfg: DictConfig) -> None:
             loss_value = global_mean(loss, replicas=replicas)
             seconds = time.perf_counter() - start
             step_stats = stats_delta(stats_of(sched), before)
+            waited = exposed_wait(meters)
             eval_loss = None
             if eval_every and step % eval_every == 0:
                 eval_loss = evaluate(model, sched, data, batches=job.train.eval_batches, step=step, device=device)
             if job.train.save_every and step % job.train.save_every == 0:
-                path = run_dir / "checkpoints" / f"step_{step}"
-                save_checkpoint(path, model=model, optimizer=optimizer, sched=sched, step=step)
-            report.step(step, loss=loss_value, seconds=seconds, stats=step_stats, eval_loss=eval_loss)
+                save_checkpoint(checkpoint_dir(run_dir, step), model=model, optimizer=optimizer, sched=sched, step=step)
+            report.step(
+                step, loss=loss_value, seconds=seconds, stats=step_stats, eval_loss=eval_loss, exposed_wait_s=waited
+            )
 
         # --- cleanup: the summary; leaving `distributed()` tears the process group down ------
         summary = report.finish(sched, device=device, explain_key=TRAIN_KEY)
@@ -383,8 +435,7 @@ if __name__ == "__main__":
         del sys.argv[1]
     # dev.sh validates before torchrun picks the number of ranks: pipeline.stages is checked against it later.
     if (error := config_error(sys.argv[1:], world=None if validate_only else launch_world())) is not None:
-        # Every rank finds the same error: rank 0 reports it, the others just fail.
-        raise SystemExit(f"recipes/train.py: invalid config: {error}" if os.environ.get("RANK", "0") == "0" else 1)
+        exit_on_config_error(error)
     if validate_only:
         raise SystemExit(0)
     quiet_nonzero_ranks()

@@ -24,6 +24,7 @@ from fsdp_replay import PrefetchConfig
 from fsdp_replay.config import require_at_least
 from fsdp_replay.hydra import register_prefetch_config
 from fsdp_replay.testing.pipelines import SINGLE_STAGE_SCHEDULES, V_SCHEDULES, available_schedules
+from train_lib.checkpoint import find_checkpoint
 
 __all__ = [
     "DataConfig",
@@ -130,7 +131,12 @@ class TrainConfig:
     save_every: int = 0
     """Save a checkpoint to ``<run dir>/checkpoints/step_N`` every N steps; 0 disables saving."""
     resume_from: str | None = None
-    """Checkpoint directory to resume from: weights, optimizer, step and the recorded prefetch orders."""
+    """Resume from a checkpoint folder (``<run>/checkpoints/step_N``) or a run folder (its latest
+    checkpoint): weights, optimizer, step and the recorded prefetch orders. Validation replaces it
+    with the absolute path of the checkpoint folder."""
+    tensorboard: bool = True
+    """Also log loss, eval loss, step time, hit rate and exposed wait per step under ``<run dir>/tensorboard/``
+    (rank 0); where the ``tensorboard`` package is missing the summary says so and nothing else changes."""
     prefetch_scheduler: bool = True
     """False: plain FSDP2, torch's ``fully_shard`` with no scheduler attached (FSDP2's own prefetch)
     and ``prefetch.*`` unused: the baseline every prefetch mode must match bitwise."""
@@ -138,8 +144,11 @@ class TrainConfig:
     def __post_init__(self) -> None:
         require_at_least(1, self, "steps", "batch_size", "seq_len", "microbatches", "eval_batches")
         require_at_least(0, self, "activation_checkpointing", "eval_every", "save_every")
-        if self.resume_from is not None and not Path(self.resume_from).is_dir():
-            raise ValueError(f"TrainConfig.resume_from: no such checkpoint directory {self.resume_from!r}")
+        if self.resume_from is not None:
+            try:
+                self.resume_from = str(find_checkpoint(Path(self.resume_from)))
+            except ValueError as err:
+                raise ValueError(f"TrainConfig.resume_from: {err}") from None
 
 
 SCHEDULE_PREFIX = "Schedule"

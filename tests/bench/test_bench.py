@@ -28,6 +28,7 @@ BENCH = REPO / "bench"
 sys.path.insert(0, str(BENCH))
 
 import bench_measure  # noqa: E402
+import bench_report  # noqa: E402
 import bench_netns  # noqa: E402
 from bench_config import DEPTH_SETTLE_STEPS, MODES, WORKLOADS, RunConfig, depth_contender  # noqa: E402
 from bench_probe import FSDPProbe, StepCounters  # noqa: E402
@@ -99,6 +100,29 @@ def test_quick_run_writes_table_json_plot_and_markdown_section(quick_run):
     assert "hand-written analysis stays" in md and "<!-- bench:results:cpu -->" in md
     pytest.importorskip("matplotlib")
     assert (run_dir / "bench.png").stat().st_size > 0 and (run_dir / "bench_cpu.png").exists()
+
+
+def test_quick_run_says_it_is_a_smoke_run_and_judges_no_target(quick_run):
+    report, run_dir, stdout, _ = quick_run
+    assert stdout.count("**Smoke run** (`bench.quick=true`)") == 1
+    assert "| target |" not in stdout and "**no**" not in stdout
+    assert "Targets: not judged on a smoke run." in (run_dir / "table.md").read_text()
+    full = json.loads(json.dumps(report))  # the same figures as a full run reports them
+    full["config"]["bench"]["quick"] = False
+    section = bench_report.render(full)
+    assert "Smoke run" not in section and "| target | workload | measured | threshold | met |" in section
+
+
+def test_share_of_the_bound_over_100_percent_is_marked_and_explained(quick_run):
+    workloads = json.loads(json.dumps(quick_run[0]["workloads"]))
+    for w in workloads.values():
+        for f in w["modes"].values():
+            f["bound_over_step"] = 0.9
+    table = bench_report.markdown_table(workloads, MODES)
+    assert "(90%) |" in table and bench_report.OVER_BOUND_NOTE not in table
+    next(iter(workloads.values()))["modes"]["demand"]["bound_over_step"] = 1.44
+    table = bench_report.markdown_table(workloads, MODES)
+    assert table.count("(144%*) |") == 1 and table.endswith(bench_report.OVER_BOUND_NOTE)
 
 
 def test_every_mode_computes_the_same_losses_as_plain_fsdp2(quick_run):

@@ -135,6 +135,36 @@ def test_out_of_range_value_fails_conversion_naming_the_field(override: str, mes
     assert message in str(err.value)
 
 
+def saved_run(run_dir: Path, *steps: int) -> Path:
+    """A run folder as recipes/train.py leaves it after saving at ``steps`` (rank 0's file marks each complete)."""
+    for step in steps:
+        (run_dir / "checkpoints" / f"step_{step}").mkdir(parents=True)
+        (run_dir / "checkpoints" / f"step_{step}" / "trainer.pt").touch()
+    return run_dir
+
+
+def test_resume_from_a_checkpoint_folder_keeps_it(tmp_path: Path) -> None:
+    checkpoint = saved_run(tmp_path, 5) / "checkpoints" / "step_5"
+    job = to_job_config(compose_train(f"train.resume_from={checkpoint}"))
+    assert job.train.resume_from == str(checkpoint.resolve())
+
+
+def test_resume_from_a_run_folder_takes_its_latest_complete_checkpoint(tmp_path: Path) -> None:
+    saved_run(tmp_path, 5, 10, 40)
+    (tmp_path / "checkpoints" / "step_50").mkdir()  # being written: no trainer.pt yet
+    job = to_job_config(compose_train(f"train.resume_from={tmp_path}"))
+    assert job.train.resume_from == str((tmp_path / "checkpoints" / "step_40").resolve())
+
+
+def test_resume_from_a_folder_without_checkpoints_names_what_is_missing(tmp_path: Path) -> None:
+    (tmp_path / "checkpoints" / "step_5").mkdir(parents=True)  # incomplete: no trainer.pt
+    with pytest.raises(ValueError) as err:
+        to_job_config(compose_train(f"train.resume_from={tmp_path}"))
+    message = str(err.value)
+    assert message.startswith(f"TrainConfig.resume_from: {str(tmp_path)!r} is neither a checkpoint folder")
+    assert "no trainer.pt in it" in message and "checkpoints/step_N/" in message and "\n" not in message
+
+
 def test_pipeline_stages_must_divide_the_number_of_ranks() -> None:
     pipeline = to_job_config(compose_train("pipeline.stages=2")).pipeline
     pipeline.check_world(4)

@@ -61,10 +61,33 @@ def test_outputs_latest_is_the_last_run(short_runs: ShortRuns) -> None:
     assert f"run dir {latest.resolve()}" in procs[-1].stdout + procs[-1].stderr
 
 
-def test_rejected_run_leaves_no_folder(tmp_path: Path) -> None:
+def frames_of_our_code(output: str) -> list[str]:
+    """Traceback lines through the recipe or the package (torchrun's own report has only torch's)."""
+    ours = (f'File "{REPO / "recipes"}', f'File "{REPO / "fsdp_replay"}')
+    return [line for line in output.splitlines() if line.strip().startswith(ours)]
+
+
+def test_bad_override_under_torchrun_ends_every_rank_with_one_line_and_no_folder(tmp_path: Path) -> None:
+    message = "recipes/train.py: invalid config: PrefetchConfig.forward_prefetch must be an integer >= 0"
     proc = launch(*SHORT, "prefetch.forward_prefetch=-1", cwd=tmp_path)
-    assert proc.returncode != 0
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 1
+    assert output.count(message) == 1, output
+    # torchrun's own ChildFailedError report remains; in it, every rank exited 1 and none was stopped by a signal.
+    assert output.count("exitcode  : 1 ") == 2 and "(SIGTERM)" not in output, output
+    assert not frames_of_our_code(output), output
     assert list(tmp_path.iterdir()) == []
+
+
+def test_resume_from_a_folder_without_checkpoints_is_one_line_and_no_folder(tmp_path: Path) -> None:
+    empty_run = tmp_path / "outputs" / "train" / "earlier"
+    empty_run.mkdir(parents=True)
+    proc = launch(*SHORT, f"train.resume_from={empty_run}", cwd=tmp_path)
+    assert proc.returncode == 1
+    output = (proc.stdout + proc.stderr).strip()
+    assert f"recipes/train.py: invalid config: TrainConfig.resume_from: {str(empty_run)!r} is neither" in output
+    assert not frames_of_our_code(output), output
+    assert sorted(p.name for p in (tmp_path / "outputs").rglob("*")) == ["earlier", "train"]
 
 
 needs_repo_venv = pytest.mark.skipif(

@@ -32,10 +32,14 @@ def explain(key: str) -> ExplainReport:
     return ExplainReport(key, "replay", "completed", rows, waits_measured=True)
 
 
-def report_a_run(run_dir: Path) -> dict[str, str]:
+def summary_rows(summary: str) -> dict[str, str]:
+    return dict(re.split(r"\s{2,}", line.strip(), maxsplit=1) for line in summary.splitlines())
+
+
+def report_a_run(run_dir: Path, *, resumed_from: Path | None = None, tensorboard: bool = False) -> dict[str, str]:
     """STEPS steps as record_and_replay reports them: step 1 records, the others hit; the summary's rows."""
     report = RunReport(run_dir=run_dir, enabled=True, mode="record_and_replay", start_step=0, steps=STEPS,
-                       tokens_per_step=64)
+                       tokens_per_step=64, resumed_from=resumed_from, tensorboard=tensorboard)
     totals = PrefetchStats()
     for step in range(1, STEPS + 1):
         recording = step == 1
@@ -44,10 +48,10 @@ def report_a_run(run_dir: Path) -> dict[str, str]:
         for name, value in stats.as_dict().items():
             totals.add(name, value)
         eval_loss = 4.0 - step / 10 if step in EVAL_STEPS else None
-        report.step(step, loss=5.0 - step / 10, seconds=0.1, stats=stats, eval_loss=eval_loss)
+        report.step(step, loss=5.0 - step / 10, seconds=0.1, stats=stats, eval_loss=eval_loss,
+                    exposed_wait_s=0.001 * step)
     sched = SimpleNamespace(stats=totals, recorded_order=lambda key: None, explain=explain)
-    summary = report.finish(sched, device=torch.device("cpu"), explain_key=KEY)
-    return dict(re.split(r"\s{2,}", line.strip(), maxsplit=1) for line in summary.splitlines())
+    return summary_rows(report.finish(sched, device=torch.device("cpu"), explain_key=KEY))
 
 
 def test_summary_says_what_the_hit_rate_counts_and_where_the_run_is(tmp_path: Path) -> None:
@@ -99,3 +103,60 @@ def test_nothing_to_explain_writes_nothing_and_says_so(tmp_path: Path) -> None:
     assert write_explain(sched, tmp_path, key=KEY) == f"not written: no {KEY!r} step ran"
     assert write_explain(None, tmp_path, key=KEY).startswith("not written: plain FSDP2 has no scheduler")
     assert not any(tmp_path.iterdir())
+
+
+def test_summary_names_the_checkpoint_folder_and_the_one_resumed_from(tmp_path: Path) -> None:
+    run_dir, earlier = tmp_path / "run", tmp_path / "earlier" / "checkpoints" / "step_3"
+    for step in (10, 5):  # checkpoints/step_10 sorts before step_5 by name; by step it comes last
+        (run_dir / "checkpoints" / f"step_{step}").mkdir(parents=True)
+        (run_dir / "checkpoints" / f"step_{step}" / "trainer.pt").touch()
+    rows = report_a_run(run_dir, resumed_from=earlier)
+    assert rows["checkpoints"].startswith(f"{run_dir / 'checkpoints'}/: step_5, step_10 (train.resume_from=")
+    assert rows["resumed from"] == f"{earlier} (step 0)"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["checkpoints"] == [str(run_dir / "checkpoints" / f"step_{step}") for step in (5, 10)]
+    assert summary["resumed_from"] == str(earlier)
+
+
+def test_a_run_that_saved_nothing_says_how_to_save(tmp_path: Path) -> None:
+    rows = report_a_run(tmp_path)
+    assert rows["checkpoints"] == "none saved (train.save_every=N saves every N steps)"
+    assert "resumed from" not in rows
+
+
+def test_plain_fsdp2_summary_shows_na_for_the_schedulers_counters(tmp_path: Path) -> None:
+    report = RunReport(run_dir=tmp_path, enabled=True, mode="plain", start_step=0, steps=1, tokens_per_step=64)
+    report.step(1, loss=5.0, seconds=0.1, stats=KeyStats(), eval_loss=None)
+    rows = summary_rows(report.finish(None, device=torch.device("cpu"), explain_key=KEY))
+    assert rows["prefetch hits / misses / resident"] == "n/a (plain FSDP2: no scheduler counts demands)"
+    for name in ("hit rate: (hits + resident) / demands", "prefetches / kept / wasted", "divergences"):
+        assert rows[name] == "n/a", name
+
+
+def test_tensorboard_gets_each_steps_loss_eval_loss_step_time_hit_rate_and_exposed_wait(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    rows = report_a_run(tmp_path, tensorboard=True)
+    assert rows["tensorboard"] == f"{tmp_path / 'tensorboard'}/"
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+
+    def points(tag: str) -> list[tuple[int, float]]:
+        return [(event.step, round(event.value, 4)) for event in events.Scalars(tag)]
+
+    steps = range(1, STEPS + 1)
+    assert points("loss/train") == [(step, round(5.0 - step / 10, 4)) for step in steps]
+    assert points("loss/eval") == [(step, round(4.0 - step / 10, 4)) for step in EVAL_STEPS]
+    assert points("step_time_ms") == [(step, 100.0) for step in steps]
+    assert points("exposed_wait_ms") == [(step, float(step)) for step in steps]
+    assert points("prefetch/hit_rate") == [(1, 0.2), *((step, 1.0) for step in steps[1:])]
+
+
+def test_without_tensorboard_the_summary_says_so_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # makes the import fail
+    rows = report_a_run(tmp_path, tensorboard=True)
+    assert rows["tensorboard"] == "not written: the tensorboard package is not installed (pip install tensorboard)"
+    assert not (tmp_path / "tensorboard").exists()
+    (tmp_path / "off").mkdir()
+    assert report_a_run(tmp_path / "off")["tensorboard"] == "off (train.tensorboard=false)"

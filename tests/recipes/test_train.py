@@ -127,6 +127,22 @@ def test_plain_fsdp2_has_nothing_to_explain_and_says_so(train_run: TrainRun) -> 
     assert not (run.dir / EXPLAIN_FILE).exists() and not (run.dir / ORDER_PLOT_FILE).exists()
     log = (run.dir / "train.log").read_text()
     assert log.count("not written: plain FSDP2 has no scheduler to explain (train.prefetch_scheduler=false)") == 1
+    assert "hit rate: (hits + resident) / demands  n/a" in log
+
+
+def test_every_mode_logs_its_exposed_wait_to_metrics_and_tensorboard(train_run: TrainRun) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    for mode in (PLAIN, "record_and_replay"):
+        run = baseline(train_run, mode)
+        assert all(line["exposed_wait_s"] >= 0 for line in run.metrics), mode
+        events = EventAccumulator(str(run.dir / "tensorboard"))
+        events.Reload()
+        waits = [event.value for event in events.Scalars("exposed_wait_ms")]
+        assert waits == pytest.approx([line["exposed_wait_s"] * 1e3 for line in run.metrics]), mode
+        assert [event.step for event in events.Scalars("loss/train")] == list(range(1, STEPS + 1)), mode
+        assert ("prefetch/hit_rate" in events.Tags()["scalars"]) == (mode != PLAIN), mode
 
 
 def test_evaluation_runs_under_its_own_scope_key(train_run: TrainRun) -> None:
@@ -150,6 +166,20 @@ def test_resume_continues_bitwise_and_replays_the_restored_order(train_run: Trai
     first = resumed.metrics[0]
     assert first["recordings"] == 0 and first["misses"] == 0 and first["hits"] > 0
     assert resumed.summary["recordings"] == 0
+    assert resumed.summary["resumed_from"] == str(checkpoint.resolve())
+
+
+def test_resume_from_a_run_folder_takes_its_latest_checkpoint(train_run: TrainRun) -> None:
+    full = baseline(train_run)  # saved checkpoints/step_2 and checkpoints/step_4
+    resumed = train_run(
+        "train.steps=6", "train.eval_every=2", "train.save_every=2", "prefetch=record_and_replay",
+        f"train.resume_from={full.dir}",
+    )
+    assert [line["step"] for line in resumed.metrics] == [5, 6]
+    assert resumed.summary["resumed_from"] == str((full.dir / "checkpoints" / "step_4").resolve())
+    assert resumed.summary["recordings"] == 0  # the orders came with the checkpoint
+    # The resumed run saves into its own folder, and its summary says where.
+    assert resumed.summary["checkpoints"] == [str(resumed.dir / "checkpoints" / "step_6")]
 
 
 def test_gradient_accumulation_runs_every_microbatch_in_one_scope(train_run: TrainRun) -> None:
