@@ -8,6 +8,7 @@ units a step leaves unsharded.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -109,13 +110,18 @@ def build_stages(setup: PipelineSetup, mesh: DeviceMesh) -> tuple[list[nn.Module
 
 
 def _given_shapes(example: torch.Tensor, *, first: bool) -> dict[str, Any]:
-    """Every shape a stage would otherwise infer with a real forward and backward in the first ``step()``."""
-    return {
+    """Every shape a stage would otherwise infer with a real forward and backward in the first
+    ``step()``, of those this release's ``PipelineStage`` takes (torch 2.11 takes no gradient shapes)."""
+    shapes = {
         "input_args": (example,),
         "output_args": (example,),
         "output_grads": (example,),
         "input_grads": (None,) if first else (example,),
     }
+    return {name: shape for name, shape in shapes.items() if name in _STAGE_ARGUMENTS}
+
+
+_STAGE_ARGUMENTS = frozenset(inspect.signature(PipelineStage.__init__).parameters)
 
 
 def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
