@@ -5,6 +5,7 @@
     python bench/bench.py suite=pipeline bench.update_benchmarks_md=BENCHMARKS.md   # pipeline parallelism
     python bench/bench.py suite=explain 'bench.workloads=[checkpointed]'           # where a replayed step waits
     python bench/bench.py suite=depths bench.update_benchmarks_md=BENCHMARKS.md    # auto beside fixed depths
+    python bench/bench.py suite=host_cost                                          # CPU cost from 16 to 1024 units
 
 One run measures every workload of ``bench.workloads`` in every mode (plain FSDP2, demand, static,
 record_and_replay), stepping the modes in alternation, then the compute-only and
@@ -18,6 +19,9 @@ step of each of ``bench.workloads``, with ``measure_waits=True``, and draws its 
 ``bench.depths`` (default 1, 2, 3, auto; both phases) in alternation on every workload, with
 ``DEPTH_SETTLE_STEPS`` more warmup steps for ``auto`` to settle, and reports each one's ratio to
 demand and to the best fixed depth, and the depth each ran with (no bound, no CPU cost).
+``suite=host_cost`` runs only the CPU-cost protocol, at each of ``cpu_cost.unit_counts`` (default
+16, 64, 256, 1024 units; ``cpu_cost.scan_steps`` rounds each), one row per count, so a cost that
+grows with the model shows (``bench_measure.measure_host_cost``; docs/HOST_COST.md).
 
 On CPU as root, both ranks run inside a network namespace whose loopback is rate limited
 (``netns.rate``, tbf), so communication costs wall time as on a cluster link; the namespace is
@@ -49,7 +53,7 @@ from omegaconf import DictConfig, OmegaConf
 import bench_netns
 import bench_report
 from bench_config import BenchConfig
-from bench_measure import measure_cpu_cost
+from bench_measure import measure_cpu_cost, measure_host_cost
 from bench_ranks import run_ranks
 
 BENCH = Path(__file__).resolve().parent
@@ -133,12 +137,18 @@ def main(cfg: DictConfig) -> None:
     standard = job.suite == "standard"
     device = "cuda" if torch.cuda.is_available() and job.suite in ("standard", "depths") else "cpu"
     load_before = os.getloadavg()
-    namespaced, interconnect = use_namespace(job, device)
+    if job.suite == "host_cost":
+        namespaced, interconnect = False, "none: fake backend in one process, collectives are no-ops"
+    else:
+        namespaced, interconnect = use_namespace(job, device)
     print(f"bench/bench.py: {device}, interconnect: {interconnect or 'rate-limited namespace ' + job.netns.rate}", flush=True)
 
     # --- measure ----------------------------------------------------------------------------------
     start = time.perf_counter()
-    if namespaced:
+    ranks: list[dict[str, Any]] = []
+    if job.suite == "host_cost":
+        host_cost = measure_host_cost(job)
+    elif namespaced:
         ranks, interconnect = measure_in_namespace(job, run_dir)
     else:
         ranks = run_ranks(job, run_dir)
@@ -150,8 +160,8 @@ def main(cfg: DictConfig) -> None:
         "command": command,
         "config": job.to_dict(),
         "machine": machine(load_before),
-        "backend": ranks[0]["backend"],
-        "world_size": len(ranks),
+        "backend": ranks[0]["backend"] if ranks else "fake",
+        "world_size": len(ranks) if ranks else job.cpu_cost.world_size,
         "interconnect": interconnect,
         "interconnect_short": f"tbf {job.netns.rate} loopback" if namespaced else interconnect.split(",")[0].split("(")[0].strip(),
         "rate_limited": namespaced,
@@ -168,6 +178,10 @@ def main(cfg: DictConfig) -> None:
         report["targets"] = bench_report.check_depth_targets(workloads, job.bench.depths)
         report["plot"] = None
         section = bench_report.render_depths(report)
+    elif job.suite == "host_cost":
+        report["host_cost"] = host_cost
+        report["plot"] = None
+        section = bench_report.render_host_cost(report)
     elif job.suite == "explain":
         report["explain"] = ranks[0]["explain"]
         report["plot"] = None
