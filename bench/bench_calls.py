@@ -10,7 +10,8 @@ change to the per-demand path can be judged on a loaded machine too (BENCHMARKS.
 the cost of timing each demand's wait for ``explain()`` (BENCHMARKS.md, CPU cost of explain()).
 ``--profile MODE`` also prints where that mode's own time goes: each fsdp_replay function's calls
 and time in its own body per demand, under the profiler (which inflates every call alike, so
-read the times as shares, not as what a call costs unprofiled).
+read the times as shares, not as what a call costs unprofiled). The profiler's clock is the
+thread's CPU time, so other processes on the machine do not enter the shares.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
+import time
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -50,7 +52,7 @@ def calls_per_step(
 
     for i in range(warmup):
         step(i)
-    profile = cProfile.Profile()
+    profile = cProfile.Profile(time.thread_time)  # CPU time: what other processes on the machine take is left out
     profile.enable()
     for i in range(warmup, warmup + steps):
         step(i)
