@@ -6,6 +6,7 @@
     bash scripts/dev.sh bench suite=explain 'bench.workloads=[checkpointed]'           # where a replayed step waits
     bash scripts/dev.sh bench suite=depths bench.update_benchmarks_md=BENCHMARKS.md    # auto beside fixed depths
     bash scripts/dev.sh bench suite=gpu_link 'gpu_link.bandwidth_gbps=[50,100]'        # one GPU, emulated link
+    bash scripts/dev.sh bench suite=host_cost                                          # CPU cost from 16 to 1024 units
 
 (``scripts/dev.sh bench`` is ``python bench/bench.py`` in the checkout's venv, set up on first use.)
 
@@ -24,6 +25,9 @@ demand and to the best fixed depth, and the depth each ran with (no bound, no CP
 ``suite=gpu_link`` runs in this process on one GPU: the fake backend's rank 0 of ``gpu_link.world_size``
 with an emulated link (``bench_gpu_link``, docs/GPU.md); with ``bench.quick=true`` and no GPU it runs
 its plumbing on CPU, with no link.
+``suite=host_cost`` runs only the CPU-cost protocol, at each of ``cpu_cost.unit_counts`` (default
+16, 64, 256, 1024 units; ``cpu_cost.scan_steps`` rounds each), one row per count, so a cost that
+grows with the model shows (``bench_measure.measure_host_cost``; docs/HOST_COST.md).
 
 On CPU as root, both ranks run inside a network namespace whose loopback is rate limited
 (``netns.rate``, tbf), so communication costs wall time as on a cluster link; the namespace is
@@ -56,7 +60,7 @@ import bench_gpu_link
 import bench_netns
 import bench_report
 from bench_config import BenchConfig
-from bench_measure import measure_cpu_cost
+from bench_measure import measure_cpu_cost, measure_host_cost
 from bench_ranks import run_ranks
 
 BENCH = Path(__file__).resolve().parent
@@ -142,12 +146,18 @@ def main(cfg: DictConfig) -> None:
     load_before = os.getloadavg()
     if job.suite == "gpu_link":
         return measure_gpu_link(job, run_dir, command, device, load_before)
-    namespaced, interconnect = use_namespace(job, device)
+    if job.suite == "host_cost":
+        namespaced, interconnect = False, "none: fake backend in one process, collectives are no-ops"
+    else:
+        namespaced, interconnect = use_namespace(job, device)
     print(f"bench/bench.py: {device}, interconnect: {interconnect or 'rate-limited namespace ' + job.netns.rate}", flush=True)
 
     # --- measure ----------------------------------------------------------------------------------
     start = time.perf_counter()
-    if namespaced:
+    ranks: list[dict[str, Any]] = []
+    if job.suite == "host_cost":
+        host_cost = measure_host_cost(job)
+    elif namespaced:
         ranks, interconnect = measure_in_namespace(job, run_dir)
     else:
         ranks = run_ranks(job, run_dir)
@@ -159,8 +169,8 @@ def main(cfg: DictConfig) -> None:
         "command": command,
         "config": job.to_dict(),
         "machine": machine(load_before),
-        "backend": ranks[0]["backend"],
-        "world_size": len(ranks),
+        "backend": ranks[0]["backend"] if ranks else "fake",
+        "world_size": len(ranks) if ranks else job.cpu_cost.world_size,
         "interconnect": interconnect,
         "interconnect_short": f"tbf {job.netns.rate} loopback" if namespaced else interconnect.split(",")[0].split("(")[0].strip(),
         "rate_limited": namespaced,
@@ -177,6 +187,10 @@ def main(cfg: DictConfig) -> None:
         report["targets"] = bench_report.check_depth_targets(workloads, job.bench.depths)
         report["plot"] = None
         section = bench_report.render_depths(report)
+    elif job.suite == "host_cost":
+        report["host_cost"] = host_cost
+        report["plot"] = None
+        section = bench_report.render_host_cost(report)
     elif job.suite == "explain":
         report["explain"] = ranks[0]["explain"]
         report["plot"] = None

@@ -14,11 +14,12 @@ from fsdp_replay.config import require_at_least
 MODES = ("plain", "demand", "static", "record_and_replay")
 """``plain`` is torch's ``fully_shard`` with no scheduler attached (FSDP2's own default prefetch)."""
 WORKLOADS = ("sequential", "out_of_order", "shared_block", "checkpointed", "interleaved_1f1b")
-SUITES = ("standard", "pipeline", "explain", "depths", "gpu_link")
+SUITES = ("standard", "pipeline", "explain", "depths", "gpu_link", "host_cost")
 """``standard``: ``bench.workloads`` on ``bench.world_size`` ranks; ``pipeline``: the ``pipeline`` node;
 ``explain``: ``sched.explain()`` of a replayed ``record_and_replay`` step of each of ``bench.workloads``;
 ``depths``: plain, demand and ``record_and_replay`` at each of ``bench.depths``, on ``bench.workloads``;
-``gpu_link``: the ``gpu_link`` node, one GPU with an emulated link (``bench_gpu_link``)."""
+``gpu_link``: the ``gpu_link`` node, one GPU with an emulated link (``bench_gpu_link``);
+``host_cost``: the scheduler's CPU cost (the ``cpu_cost`` node's protocol) at each of ``cpu_cost.unit_counts``."""
 LINK_WORKLOADS = ("sequential", "out_of_order", "shared_block", "checkpointed", "host_sync", "interleaved_2mb")
 """``suite=gpu_link``'s workloads: canonical ones, ``host_sync`` (each block reads a value to the host)
 and ``interleaved_2mb`` (F0 F1 B0 B1); ``interleaved_1f1b`` (3 microbatches) may be added."""
@@ -143,10 +144,16 @@ class CpuCostConfig:
     warmup_steps: int = 3
     steps: int = 100
     """Rounds (one step of each mode); per-step CPU time on a shared machine varies by +-10%."""
+    unit_counts: list[int] = field(default_factory=lambda: [16, 64, 256, 1024])
+    """``suite=host_cost``: the unit counts scanned (``units`` is the standard suite's one count)."""
+    scan_steps: int = 20
+    """``suite=host_cost``: rounds per unit count (a 1024-unit step takes about a second of CPU)."""
 
     def __post_init__(self) -> None:
         require_at_least(2, self, "world_size", "units", "warmup_steps")
-        require_at_least(1, self, "dim", "hidden", "rows", "steps")
+        require_at_least(1, self, "dim", "hidden", "rows", "steps", "scan_steps")
+        if not self.unit_counts or any(isinstance(n, bool) or not isinstance(n, int) or n < 2 for n in self.unit_counts):
+            raise ValueError(f"CpuCostConfig.unit_counts must be one or more integers >= 2, got {self.unit_counts!r}")
 
 
 @dataclass
@@ -246,7 +253,7 @@ class BenchConfig:
     """Top-level config of ``bench/bench.py``."""
 
     suite: str = "standard"
-    """What one run measures: ``standard`` or ``pipeline`` (see ``SUITES``)."""
+    """What one run measures: one of ``SUITES``."""
     bench: RunConfig = field(default_factory=RunConfig)
     netns: NetnsConfig = field(default_factory=NetnsConfig)
     cpu_cost: CpuCostConfig = field(default_factory=CpuCostConfig)
@@ -258,6 +265,7 @@ class BenchConfig:
             raise ValueError(f"BenchConfig.suite must be one of {', '.join(SUITES)}, got {self.suite!r}")
         if self.bench.quick:
             self.cpu_cost.units, self.cpu_cost.steps, self.cpu_cost.warmup_steps = 16, 3, 2
+            self.cpu_cost.unit_counts, self.cpu_cost.scan_steps = [4, 16], 3
             self.pipeline.dim, self.pipeline.blocks_per_stage, self.pipeline.rows = 32, 2, 16
             self.gpu_link.shrink()
 

@@ -324,28 +324,32 @@ def measure_rank(mesh: DeviceMesh, cfg_dict: dict[str, Any], out_dir: str) -> di
 # --- scheduler CPU cost (fake backend) -------------------------------------------------------------
 
 
-def measure_cpu_cost(cfg: BenchConfig) -> dict[str, Any]:
+def measure_cpu_cost(cfg: BenchConfig, *, units: int | None = None, steps: int | None = None) -> dict[str, Any]:
     """CPU time of a step of each scheduler mode against plain FSDP2's, with no-op collectives.
 
     The fake backend does all of a step's work on this thread, so its CPU time is the step's cost
     without the time other processes on the machine take; each mode is compared with the plain
     step of the same round (A B C D E), and the median of those ratios is reported. The fifth,
-    ``MEASURE_WAITS``, is ``record_and_replay`` timing its waits for ``explain()``. No contender has
-    the benchmark's wait meter: its cost is not the scheduler's.
+    ``MEASURE_WAITS``, is ``record_and_replay`` timing its waits for ``explain()``; it is also
+    compared with ``record_and_replay`` of the same round (``measure_waits_vs_replay``). No
+    contender has the benchmark's wait meter: its cost is not the scheduler's. ``units`` and
+    ``steps`` (rounds) default to the ``cpu_cost`` node's.
     """
     cc = cfg.cpu_cost
+    units = cc.units if units is None else units
+    steps = cc.steps if steps is None else steps
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with fake_world(cc.world_size) as mesh:
-            w = workload("sequential", dim=cc.dim, hidden=cc.hidden, n_blocks=cc.units, rows=cc.rows)
+            w = workload("sequential", dim=cc.dim, hidden=cc.hidden, n_blocks=units, rows=cc.rows)
             run = dataclasses.replace(cfg.bench, quick=False)
             contenders = [build_contender(mode, w, mesh, run, metered=False) for mode in MODES]
             timing = build_contender("record_and_replay", w, mesh, run, metered=False, measure_waits=True)
             contenders.append(dataclasses.replace(timing, mode=MEASURE_WAITS))
             times: dict[str, list[float]] = {c.mode: [] for c in contenders}
             demands = 0
-            for step in range(cc.warmup_steps + cc.steps):
+            for step in range(cc.warmup_steps + steps):
                 for c in contenders:
                     record = timed_step(c, step, None, torch.device("cpu"))
                     if step >= cc.warmup_steps:
@@ -356,18 +360,28 @@ def measure_cpu_cost(cfg: BenchConfig) -> dict[str, Any]:
     finally:
         torch.set_num_threads(threads)
     medians = {m: statistics.median(t) for m, t in times.items()}
-    overhead = {
-        m: statistics.median(s / p for s, p in zip(t, times["plain"])) - 1 for m, t in times.items() if m != "plain"
-    }
+    overhead = {m: _paired_overhead(t, times["plain"]) for m, t in times.items() if m != "plain"}
     plain = medians["plain"]
     return {
         "world_size": cc.world_size,
-        "units": cc.units,
+        "units": units,
         "demands_per_step": demands,
         "clock": "thread CPU time",
         "median_step_s": medians,
         "step_s": times,
         "overhead_vs_plain": overhead,
         "per_demand_us": {m: o * plain / demands * 1e6 for m, o in overhead.items() if demands},
+        "measure_waits_vs_replay": _paired_overhead(times[MEASURE_WAITS], times["record_and_replay"]),
     }
+
+
+def _paired_overhead(times: list[float], baseline: list[float]) -> float:
+    """Median over rounds of (time / the baseline's time of the same round) - 1."""
+    return statistics.median(t / b for t, b in zip(times, baseline)) - 1
+
+
+def measure_host_cost(cfg: BenchConfig) -> list[dict[str, Any]]:
+    """``suite=host_cost``: :func:`measure_cpu_cost` at each of ``cpu_cost.unit_counts``, with
+    ``cpu_cost.scan_steps`` rounds each, so a cost that grows with the model shows as a trend."""
+    return [measure_cpu_cost(cfg, units=n, steps=cfg.cpu_cost.scan_steps) for n in cfg.cpu_cost.unit_counts]
 

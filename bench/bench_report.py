@@ -307,6 +307,10 @@ def _targets_part(report: dict[str, Any]) -> list[str]:
     return [targets_table(report["targets"])]
 
 
+def _overhead(x: float) -> str:
+    return f"{100 * x:+.1f}%"
+
+
 def markdown_table(workloads: dict[str, Any], modes: list[str]) -> str:
     header = (
         "| workload | mode | median step ms (IQR) | x demand | x plain | exposed AG wait ms | hid | "
@@ -365,6 +369,46 @@ def cpu_cost_table(cpu_cost: dict[str, Any]) -> str:
             f"{'-' if per is None else f'{per:.1f}'} |"
         )
     return "\n".join(lines)
+
+
+HOST_COST_TARGET = 0.03
+"""Issue 27: record_and_replay and static cost at most 3% over plain FSDP2 on the fake backend, at every unit count."""
+
+
+def host_cost_table(scan: list[dict[str, Any]]) -> str:
+    """``suite=host_cost``: one row per unit count, each contender's overhead over plain FSDP2."""
+    modes = [m for m in scan[0]["overhead_vs_plain"]]
+    lines = [
+        "| units | demands per step | plain step CPU ms | " + " | ".join(modes) + " | measure_waits over record_and_replay |",
+        "|---|---|---|" + "---|" * (len(modes) + 1),
+    ]
+    for row in scan:
+        over = " | ".join(_overhead(row["overhead_vs_plain"][m]) for m in modes)
+        lines.append(
+            f"| {row['units']} | {row['demands_per_step']} | {row['median_step_s']['plain'] * 1e3:.1f} | {over} | "
+            f"{_overhead(row['measure_waits_vs_replay'])} |"
+        )
+    return "\n".join(lines)
+
+
+def render_host_cost(report: dict[str, Any]) -> str:
+    """The generated section of ``suite=host_cost``."""
+    cc = report["config"]["cpu_cost"]
+    scan = report["host_cost"]
+    worst = {m: max(row["overhead_vs_plain"][m] for row in scan) for m in ("static", "record_and_replay")}
+    met = ", ".join(f"{m} {_overhead(v)} ({'met' if v <= HOST_COST_TARGET else 'NOT met'})" for m, v in worst.items())
+    parts = _run_lines(report) + [
+        f"Fake backend, world size {cc['world_size']}, one thread; units are MLP blocks of dim {cc['dim']}, hidden "
+        f"{cc['hidden']}, {cc['rows']} rows. Per unit count: {cc['warmup_steps']} warmup + {cc['scan_steps']} rounds "
+        f"of one step per contender (plain, then each mode); thread CPU time per step; overhead = median over "
+        f"rounds of (contender / plain of the same round) - 1. Run took {report['wall_s']:.0f} s.",
+        "",
+        host_cost_table(scan),
+        "",
+        f"Worst over the unit counts against the {_overhead(HOST_COST_TARGET)} target: {met}.",
+        "",
+    ]
+    return "\n".join(parts)
 
 
 def targets_table(targets: list[dict[str, Any]]) -> str:

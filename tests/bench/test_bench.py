@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -73,6 +74,13 @@ def quick_run(tmp_path_factory) -> tuple[dict, Path, str, set[str]]:
 def explain_run(tmp_path_factory) -> tuple[dict, Path, str, set[str]]:
     run_dir = tmp_path_factory.mktemp("bench_explain")
     report, stdout, leaked = _run_bench(run_dir, "suite=explain", "bench.workloads=[checkpointed]")
+    return report, run_dir, stdout, leaked
+
+
+@pytest.fixture(scope="module")
+def host_cost_run(tmp_path_factory) -> tuple[dict, Path, str, set[str]]:
+    run_dir = tmp_path_factory.mktemp("bench_host_cost")
+    report, stdout, leaked = _run_bench(run_dir, "suite=host_cost")
     return report, run_dir, stdout, leaked
 
 
@@ -350,3 +358,29 @@ def test_the_calls_profile_names_the_refill_per_demand(capsys):
     assert float(rows["provide"][1]) == pytest.approx(1.0, abs=0.05)  # refills at the scope's start and per demand
     assert float(rows["on_demand"][1]) >= 1.0  # the scheduler's and the strategy's, once each per demand
     assert lines[-1].endswith("all fsdp_replay functions") and float(lines[-1].split()[0]) > 0
+
+
+def test_host_cost_run_reports_every_mode_at_every_unit_count_against_plain(host_cost_run):
+    """``suite=host_cost`` (quick: 4 and 16 units): one row per count, every contender's paired overhead."""
+    report, run_dir, stdout, leaked = host_cost_run
+    table = (run_dir / "table.md").read_text()
+    assert table.strip() in stdout and not leaked and "workloads" not in report
+    scan = report["host_cost"]
+    assert [row["units"] for row in scan] == report["config"]["cpu_cost"]["unit_counts"] == [4, 16]
+    contenders = [m for m in MODES if m != "plain"] + [bench_measure.MEASURE_WAITS]
+    for row in scan:
+        assert list(row["overhead_vs_plain"]) == contenders and all(len(t) == 3 for t in row["step_s"].values())
+        assert all(math.isfinite(x) for x in [*row["overhead_vs_plain"].values(), row["measure_waits_vs_replay"]])
+        assert f"| {row['units']} | {row['demands_per_step']} |" in table
+    assert scan[0]["demands_per_step"] < scan[1]["demands_per_step"]
+    assert "Worst over the unit counts" in table
+    md = (run_dir / "BENCHMARKS.md").read_text()
+    assert "hand-written analysis stays" in md and "<!-- bench:results:host_cost:cpu -->" in md
+
+
+@pytest.mark.parametrize("counts", [[], [16, 1], [16, True]])
+def test_host_cost_unit_counts_reject_anything_but_integers_from_2_naming_the_value(counts):
+    from bench_config import CpuCostConfig
+
+    with pytest.raises(ValueError, match=r"CpuCostConfig.unit_counts must be one or more integers >= 2, got "):
+        CpuCostConfig(unit_counts=counts)
