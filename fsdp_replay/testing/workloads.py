@@ -1,7 +1,10 @@
 """Canonical workloads whose call order defeats FSDP2's prefetch guess.
 
 Each workload builds a seeded model, shards it (one unit per block, root last), and runs one
-iteration: a schedule of microbatch forwards ``("F", i)`` and backwards ``("B", i)``.
+iteration: a schedule of microbatch forwards ``("F", i)`` and backwards ``("B", i)``. Two of them
+run units only when the data says so (``moe_dynamic``, ``layer_drop``): their decisions come from
+the batch and the parameters, which every rank holds identically, so all ranks run the same units
+(FSDP2 needs that: a unit run on one rank only would hang its all-gather).
 """
 
 from __future__ import annotations
@@ -128,6 +131,84 @@ class TiedLM(nn.Module):
         return fully_shard(self, mesh=mesh, **kwargs)
 
 
+class MoELayer(nn.Module):
+    """A residual mixture of experts; an expert no token is routed to is not called (as HF Mixtral
+    and Qwen-MoE skip idle experts), so which expert units run depends on the data."""
+
+    def __init__(self, dim: int, hidden: int, n_experts: int) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(dim, hidden), nn.SiLU(), nn.Linear(hidden, dim)) for _ in range(n_experts)
+        )
+
+    def forward(self, x: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        out = x
+        for e, expert in enumerate(self.experts):
+            tokens = (chosen == e).nonzero().flatten()
+            if tokens.numel() == 0:
+                continue
+            out = out.index_add(0, tokens, expert(x[tokens]))
+        return out
+
+
+class MoEModel(nn.Module):
+    """Input projection, MoE layers whose experts are separate units, and a head.
+
+    Tokens are routed by a fixed random projection of the model's input (hash routing, as in Hash
+    Layers): a decision from data every rank holds identically, so every rank calls the same
+    experts, and one that does not rest on gathered values (a fake backend gathers none).
+    """
+
+    def __init__(self, *, dim: int, hidden: int, n_layers: int, n_experts: int) -> None:
+        super().__init__()
+        self.inp = nn.Linear(dim, dim)
+        self.layers = nn.ModuleList(MoELayer(dim, hidden, n_experts) for _ in range(n_layers))
+        self.head = nn.Linear(dim, 1)
+        self.register_buffer("routing", torch.randn(n_layers, dim, n_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        chosen = torch.einsum("td,lde->lte", x, self.routing).argmax(dim=-1)
+        x = self.inp(x)
+        for layer, tokens_to in zip(self.layers, chosen):
+            x = layer(x, tokens_to)
+        return self.head(x).square().mean()
+
+    def shard(self, mesh, **kwargs) -> nn.Module:
+        for layer in self.layers:
+            for expert in layer.experts:
+                fully_shard(expert, mesh=mesh, **kwargs)
+        return fully_shard(self, mesh=mesh, **kwargs)
+
+
+class LayerDropModel(nn.Module):
+    """Blocks each skipped with probability ``p_drop`` per forward (LayerDrop / stochastic depth).
+
+    The draw is seeded from the batch, which every rank holds identically (``Workload.make_batch``
+    is seeded from the step), so all ranks skip the same blocks, as a seed shared across ranks does.
+    """
+
+    def __init__(self, *, dim: int, hidden: int, n_blocks: int, p_drop: float) -> None:
+        super().__init__()
+        self.inp = nn.Linear(dim, dim)
+        self.blocks = nn.ModuleList(Block(dim, hidden) for _ in range(n_blocks))
+        self.head = nn.Linear(dim, 1)
+        self.p_drop = p_drop
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        seed = hash(tuple(x.flatten()[:4].tolist())) & 0x7FFF_FFFF
+        dropped = torch.rand(len(self.blocks), generator=torch.Generator().manual_seed(seed)) < self.p_drop
+        x = self.inp(x)
+        for block, drop in zip(self.blocks, dropped.tolist()):
+            if not drop:
+                x = block(x)
+        return self.head(x).square().mean()
+
+    def shard(self, mesh, **kwargs) -> nn.Module:
+        for block in self.blocks:
+            fully_shard(block, mesh=mesh, **kwargs)
+        return fully_shard(self, mesh=mesh, **kwargs)
+
+
 @dataclass(frozen=True)
 class Workload:
     """A model factory, the inputs of one iteration, and the microbatch schedule."""
@@ -189,7 +270,8 @@ def _seeded(factory: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
 
 
 def canonical_workloads(*, dim: int = 32, hidden: int = 64, n_blocks: int = 4, rows: int = 8) -> list[Workload]:
-    """The six workload shapes of the acceptance suite and the benchmark, in one place."""
+    """The workload shapes of the acceptance suite and the benchmark, in one place (the last two
+    run units only when their data says so)."""
 
     def seq_model(calls: Sequence[int], spans: Sequence[tuple[int, int]] = ()) -> Callable[[], nn.Module]:
         return _seeded(
@@ -216,6 +298,18 @@ def canonical_workloads(*, dim: int = 32, hidden: int = 64, n_blocks: int = 4, r
             "tied_embedding",
             _seeded(lambda: TiedLM(vocab=vocab, dim=dim, hidden=hidden, n_blocks=n_blocks)),
             _token_batch(vocab, rows, 9),
+        ),
+        Workload(
+            "moe_dynamic",
+            _seeded(lambda: MoEModel(dim=dim, hidden=hidden, n_layers=n_blocks, n_experts=4)),
+            dense,
+            notes="4 experts per layer as units, each token to one; an expert without tokens is not called",
+        ),
+        Workload(
+            "layer_drop",
+            _seeded(lambda: LayerDropModel(dim=dim, hidden=hidden, n_blocks=2 * n_blocks, p_drop=0.05)),
+            dense,
+            notes="each block skipped with probability 0.05 per forward, the same on every rank",
         ),
     ]
 
