@@ -84,8 +84,7 @@ class ScopeLifecycle:
         strategy = scope.strategy
         try:
             if isinstance(strategy, Record):
-                if entries := strategy.recording.entries:
-                    self._orders.install(scope.key, strategy.recording)
+                if (entries := strategy.recording.entries) and self._orders.install(scope.key, strategy.recording):
                     self._depths.rerecorded(scope.key)
                     self._stats.count(scope.key, Count.recordings)
                     logger.debug("fsdp_replay: recorded %d demands for iteration %r", len(entries), scope.key)
@@ -131,11 +130,16 @@ class ScopeLifecycle:
         self._stats.count(scope.key, Count.wasted, self._window.release_all(str(why)))
 
     def _count_prefetches(self) -> None:
-        """Count the prefetches the window issued since the last count, under the open scope's key.
+        """Count the prefetches the window issued (and released one at a time) since the last count,
+        under the open scope's key.
 
         Only strategies prefetch, inside a scope, so counting them when the stats are read and
         when a scope ends attributes each to its key, at no cost per prefetch.
         """
-        if self._window.issued:
-            self._stats.count(self._scope.key if self._scope is not None else None, Count.prefetches, self._window.issued)
-            self._window.issued = 0
+        window, key = self._window, self._scope.key if self._scope is not None else None
+        if window.issued:
+            self._stats.count(key, Count.prefetches, window.issued)
+            window.issued = 0
+        if window.wasted:
+            self._stats.count(key, Count.wasted, window.wasted)
+            window.wasted = 0

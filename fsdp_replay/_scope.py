@@ -85,8 +85,17 @@ class Scope:
             self.timeline.append((Event.taken_over, unit, held, who))
 
     def off_order(self, divergence: str | None) -> Why:
-        """The last demand missed off the order: it diverged there, or realigned (the prefix rule)."""
-        why = Why(MissReason.after_divergence, divergence) if divergence else Why(MissReason.realigned)
+        """The last demand missed off the order: it diverged there, or replay tolerated it (skipped
+        entries, not in the order, realigned). A divergence found at a late demand of a skipped
+        entry is also written on the miss of the demand that skipped it, where the order was left."""
+        if not divergence:
+            why = self.strategy.tolerated
+        else:
+            why = Why(MissReason.after_divergence, divergence)
+            left_at = getattr(self.strategy, "left_at", None)
+            demands = [i for i, event in enumerate(self.timeline) if event[0] is Event.demand]
+            if left_at is not None and (row := self.timeline[demands[left_at]])[5] is not None:
+                self.timeline[demands[left_at]] = (*row[:5], why)
         at = max(i for i, event in enumerate(self.timeline) if event[0] is Event.demand)
         self.timeline[at] = (*self.timeline[at][:5], why)
         return why

@@ -62,7 +62,7 @@ class PrefetchScheduler(ScopeLifecycle):
         if not self.units:
             names = ", ".join(type(root).__name__ for root in roots)
             raise ValueError(f"attach(): no fully_shard unit with parameters under {names}")
-        self._orders = RecordedOrders()
+        self._orders = RecordedOrders(record_steps=config.record_steps)
         self._scope: Scope | None = None
         self._depths = AdaptiveDepth(
             config.forward_prefetch, config.backward_prefetch, deepest=len(self.units), agree=self._agree_on_max
