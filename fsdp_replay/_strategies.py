@@ -107,8 +107,8 @@ _NOT_IN_ORDER = Why(MissReason.not_in_order)
 # skip, release and prefetch alike.
 
 MIN_MATCHED = 0.5
-"""A replayed scope whose matched demands are fewer than this share of its demands plus the entries it
-skipped ran another order: it diverges (see [Note: skipped entries and a changed order])."""
+"""A replayed scope whose matched demands are not more than this share of its demands plus the entries
+it skipped ran another order (a forward-only scope of a forward-and-backward order, for one): it diverges (see [Note: skipped entries and a changed order])."""
 _BYTE_CAP = Why(MissReason.byte_cap, "max_prefetch_bytes would be exceeded")
 _DEPTH_REACHED = Why(MissReason.depth, "the depth's gathers were already in flight")
 _DECLINED = Why(MissReason.declined, "a gradient reduction was pending, or FSDP2 does not unshard in backward")
@@ -296,7 +296,7 @@ class Replay:
         cursor = self.cursor
         rest = cursor.order.entries[cursor.position :]
         considered = self._demands + self._passed + len(rest)
-        if self._matched >= MIN_MATCHED * considered:
+        if self._matched > MIN_MATCHED * considered:
             self._skip(rest, "the scope ended before it")
             return None
         return (

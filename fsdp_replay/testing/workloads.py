@@ -270,8 +270,7 @@ def _seeded(factory: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
 
 
 def canonical_workloads(*, dim: int = 32, hidden: int = 64, n_blocks: int = 4, rows: int = 8) -> list[Workload]:
-    """The workload shapes of the acceptance suite and the benchmark, in one place (the last two
-    run units only when their data says so)."""
+    """The six workload shapes of the acceptance suite and the benchmark, in one place."""
 
     def seq_model(calls: Sequence[int], spans: Sequence[tuple[int, int]] = ()) -> Callable[[], nn.Module]:
         return _seeded(
@@ -299,6 +298,14 @@ def canonical_workloads(*, dim: int = 32, hidden: int = 64, n_blocks: int = 4, r
             _seeded(lambda: TiedLM(vocab=vocab, dim=dim, hidden=hidden, n_blocks=n_blocks)),
             _token_batch(vocab, rows, 9),
         ),
+    ]
+
+
+def conditional_workloads(*, dim: int = 32, hidden: int = 64, n_blocks: int = 4, rows: int = 8) -> list[Workload]:
+    """Workloads whose data decides which units run (docs/TOLERANT_REPLAY.md): each step's order is
+    its recorded order with some entries left out, so replay must tolerate skips."""
+    dense = _dense_batch(dim, rows)
+    return [
         Workload(
             "moe_dynamic",
             _seeded(lambda: MoEModel(dim=dim, hidden=hidden, n_layers=n_blocks, n_experts=4)),
@@ -315,7 +322,7 @@ def canonical_workloads(*, dim: int = 32, hidden: int = 64, n_blocks: int = 4, r
 
 
 def workload(name: str, **sizes: int) -> Workload:
-    by_name = {w.name: w for w in canonical_workloads(**sizes)}
+    by_name = {w.name: w for w in canonical_workloads(**sizes) + conditional_workloads(**sizes)}
     if name not in by_name:
         raise ValueError(f"unknown workload {name!r}; workloads are {', '.join(by_name)}")
     return by_name[name]

@@ -103,7 +103,7 @@ def test_from_state_rejects_malformed_entries():
     (a,), _ = _units("a")
     with pytest.raises(ValueError, match="phase 'sideways'; valid phases are forward, backward, recompute"):
         ExecutionOrder.from_state([("a", "sideways", True, 0)], {"a": a})
-    with pytest.raises(ValueError, match="expected \\(fqn, phase, needs_gather, segment\\)"):
+    with pytest.raises(ValueError, match="expected \\(fqn, phase, needs_gather, segment\\[, share\\]\\)"):
         ExecutionOrder.from_state([("a", "forward")], {"a": a})
 
 
