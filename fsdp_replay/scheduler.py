@@ -360,9 +360,14 @@ class PrefetchScheduler(ScopeLifecycle):
         scope = self._scope
         if call == "reshard" and scope is not None and isinstance(scope.strategy, Record):
             scope.strategy.recording.resharded_by_other(unit)
-        elif call == "unshard" and _compat.is_sharded_idle(unit.state):
-            self._window.gathered_by_other(unit)  # the gather starts now, after any optimizer step
+        gathers_now = call == "unshard" and _compat.is_sharded_idle(unit.state)
         held = self._window.take(unit)
+        if gathers_now or (call == "unshard" and held is Held.prefetched):
+            # The gather starts now, or the window's own (issued after any optimizer step: none is
+            # left pending across one) becomes theirs: either way its values are current, so the
+            # unit may be kept later. (A pipeline's UNSHARD of a chunk root prefetched at the
+            # scope's start once made its next keep fail as stale.)
+            self._window.gathered_by_other(unit)
         if scope is not None:
             undoes = call != "unshard" and not _compat.is_sharded_idle(unit.state)
             scope.other_party(unit, call, held, undoes=undoes)
