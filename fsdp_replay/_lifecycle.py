@@ -73,10 +73,10 @@ class ScopeLifecycle:
             self._end_scope(scope)  # a forward with no backward after it
 
     def _end_scope(self, scope: Scope, *, failure: str | None = None) -> None:
-        self._count_prefetches()
-        self._scope = None
         why = f"the scope failed: {failure}" if failure is not None else "the scope ended before its demand"
         self._stats.count(scope.key, Count.wasted, self._window.release_all(why))
+        self._count_prefetches()
+        self._scope = None
         if failure is not None:
             self._orders.drop(scope.key, reason=failure)
             self._finish(scope, f"failed: {failure}", failed=True)
@@ -117,9 +117,9 @@ class ScopeLifecycle:
         """No more automatic scopes: their orders are dropped and the open one ends unrecorded."""
         scope = self._scope
         if scope is not None and not scope.explicit:
+            self._stats.count(scope.key, Count.wasted, self._window.release_all(f"automatic scopes stopped: {reason}"))
             self._count_prefetches()
             self._scope = None
-            self._stats.count(scope.key, Count.wasted, self._window.release_all(f"automatic scopes stopped: {reason}"))
             self._finish(scope, f"stopped: {reason}")
         for key in AUTO_KEYS:
             self._orders.discard_unchecked(key)
@@ -143,3 +143,6 @@ class ScopeLifecycle:
         if window.wasted:
             self._stats.count(key, Count.wasted, window.wasted)
             window.wasted = 0
+        if window.wasted_bytes:
+            self._stats.count(key, Count.wasted_bytes, window.wasted_bytes)
+            window.wasted_bytes = 0

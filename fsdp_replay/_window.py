@@ -56,6 +56,8 @@ class PrefetchWindow:
         self._bytes_ahead = 0
         self.wasted = 0
         """Units released one at a time (:meth:`release`) since the scheduler last counted them."""
+        self.wasted_bytes = 0
+        """Their unsharded bytes, and those of every :meth:`release_all`, since the scheduler last counted them."""
         self.issued = 0
         """Prefetches issued since the scheduler last counted them into its stats (it does when they
         are read and when a scope ends: no call per prefetch)."""
@@ -160,6 +162,7 @@ class PrefetchWindow:
         self._free(unit, held)
         self.take(unit)
         self.wasted += 1
+        self.wasted_bytes += unit.unsharded_bytes
 
     def _free(self, unit: Unit, held: Held) -> None:
         """Undo what the window did for ``unit``: cancel its pending gather, or reshard it if a reshard was skipped."""
@@ -183,6 +186,7 @@ class PrefetchWindow:
         the unit at the end of its current use, as it would have anyway.
         """
         wasted = len(self)
+        self.wasted_bytes += self._bytes_ahead
         prefetched, kept = self.units(Held.prefetched), self.units(Held.kept)
         self.timeline += [(Event.released, unit, Held.prefetched, why) for unit in prefetched]
         self.timeline += [(Event.released, unit, Held.kept, why) for unit in kept]

@@ -201,7 +201,7 @@ class PrefetchScheduler(ScopeLifecycle):
         return self._stats
 
     def reset_stats(self) -> None:
-        self._window.issued = 0
+        self._window.issued = self._window.wasted = self._window.wasted_bytes = 0
         self._stats = PrefetchStats()
 
     def state_dict(self) -> dict[str, Any]:

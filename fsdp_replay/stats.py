@@ -23,6 +23,7 @@ class Count(str, enum.Enum):
     prefetches = "prefetches"
     kept = "kept"
     wasted = "wasted"
+    wasted_bytes = "wasted_bytes"
     dropped = "dropped"
     divergences = "divergences"
     recordings = "recordings"
@@ -131,6 +132,8 @@ class KeyStats:
     """Units kept unsharded from one use to their next instead of resharded and gathered again."""
     wasted: int = 0
     """Prefetches and keeps the scheduler released without their demand coming."""
+    wasted_bytes: int = 0
+    """Unsharded bytes of the ``wasted`` prefetches and keeps."""
     dropped: int = 0
     """Prefetches and keeps another party undid or took over before their demand: a user's or a
     pipeline schedule's ``reshard()``/``unshard()``, ``reset_iter_state``, or FSDP2 dropping a

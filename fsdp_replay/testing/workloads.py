@@ -219,6 +219,8 @@ class Workload:
     """(step, microbatch) -> input tensor, identical on every rank."""
     schedule: Schedule = SEQUENTIAL
     notes: str = field(default="", compare=False)
+    record_steps: int = 1
+    """The ``PrefetchConfig.record_steps`` that suits it: above 1 where data decides which units run."""
 
     @property
     def microbatches(self) -> int:
@@ -311,12 +313,14 @@ def conditional_workloads(*, dim: int = 32, hidden: int = 64, n_blocks: int = 4,
             _seeded(lambda: MoEModel(dim=dim, hidden=hidden, n_layers=n_blocks, n_experts=4)),
             dense,
             notes="4 experts per layer as units, each token to one; an expert without tokens is not called",
+            record_steps=4,
         ),
         Workload(
             "layer_drop",
             _seeded(lambda: LayerDropModel(dim=dim, hidden=hidden, n_blocks=2 * n_blocks, p_drop=0.05)),
             dense,
             notes="each block skipped with probability 0.05 per forward, the same on every rank",
+            record_steps=4,
         ),
     ]
 

@@ -15,6 +15,7 @@ from fsdp_replay.testing.workloads import conditional_workloads, run_iteration, 
 
 RECORD_STEPS = 4
 STEPS = 60
+assert all(w.record_steps == RECORD_STEPS for w in conditional_workloads())
 
 
 def _replayed(mesh, name: str) -> tuple:
@@ -44,6 +45,7 @@ def test_replay_keeps_prefetching_through_data_dependent_skips(mesh8, name):
     assert s.recordings == 0 and s.divergences <= STEPS // 50, s
     assert seen["hit"] >= 0.9 * (seen["hit"] + seen["miss"]), (seen, s)
     assert s.wasted <= 0.1 * (s.prefetches + s.misses), s
+    assert (s.wasted_bytes > 0) == (s.wasted > 0), s
     assert set(s.miss_reasons) <= {MissReason.skipped_ahead, MissReason.not_in_order, MissReason.speculative}, s
 
 
