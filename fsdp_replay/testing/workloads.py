@@ -84,10 +84,14 @@ class CallSequenceModel(nn.Module):
         self.calls = list(calls)
         self.checkpoint_spans = sorted(checkpoint_spans)
         self.reentrant = reentrant
+        self.skip: set[int] = set()
+        """Blocks that do not run in the next forwards (a test sets it per step, alike on every rank:
+        the data skipping a block, as LayerDrop does)."""
 
     def _run(self, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         for i in self.calls[start:stop]:
-            x = self.blocks[i](x)
+            if i not in self.skip:
+                x = self.blocks[i](x)
         return x
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
