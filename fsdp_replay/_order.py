@@ -240,11 +240,13 @@ class ExecutionOrder:
 
     def digest(self) -> int:
         """A 62-bit fingerprint that ranks compare instead of whole orders."""
-        h = hashlib.sha256()
-        for fqn, phase, needs_gather, segment, *share in self.to_state():
-            shares = "".join(f"\0{x}" for x in share)  # none unless it ran in some recorded scopes only
-            h.update(f"{fqn}\0{phase}\0{int(needs_gather)}\0{segment}{shares}\n".encode())
-        return int.from_bytes(h.digest()[:8], "little") >> 2
+        return fingerprint(self.to_state())
+
+    @property
+    def conditional(self) -> bool:
+        """Some entries ran in only some of the recorded scopes: data decides which units run, so
+        with ``check_ranks`` each replayed scope's demands are compared across ranks at its end."""
+        return any(e.share < 1.0 for e in self.entries)
 
 
 WARN_EVERY = 50
@@ -362,6 +364,14 @@ class RecordedOrders:
         self._unreplayed.clear()
         self._merging.clear()
         return {key: why for key, why in loaded.items() if isinstance(why, str)}
+
+
+def fingerprint(items: Sequence[Sequence[Any]]) -> int:
+    """A 62-bit fingerprint of a sequence of tuples, that ranks compare instead of the whole sequence."""
+    h = hashlib.sha256()
+    for item in items:
+        h.update(("\0".join(map(str, item)) + "\n").encode())
+    return int.from_bytes(h.digest()[:8], "little") >> 2
 
 
 def first_difference(a: Sequence, b: Sequence) -> int:

@@ -102,13 +102,14 @@ _NOT_IN_ORDER = Why(MissReason.not_in_order)
 # stays. Skips never reorder, so two things tell a changed order from skips: a demand of an entry
 # this scope skipped (it came after entries recorded after it: the order is reordered, e.g. two
 # blocks swapped), which diverges at once and names the demand where the order was left; and, at
-# the scope's end, fewer than MIN_MATCHED of its demands and skipped entries matching the order.
+# the scope's end, no more than MIN_MATCHED of its demands and skipped entries matching the order.
 # Every decision rests on the order and the scope's demands, which all ranks share, so ranks
 # skip, release and prefetch alike.
 
 MIN_MATCHED = 0.5
-"""A replayed scope whose matched demands are not more than this share of its demands plus the entries
-it skipped ran another order (a forward-only scope of a forward-and-backward order, for one): it diverges (see [Note: skipped entries and a changed order])."""
+"""A replayed scope whose matched demands are not more than this share of its demands plus the
+entries it skipped ran another order (a forward-only scope of a forward-and-backward order, for
+one): it diverges (see [Note: skipped entries and a changed order])."""
 _BYTE_CAP = Why(MissReason.byte_cap, "max_prefetch_bytes would be exceeded")
 _DEPTH_REACHED = Why(MissReason.depth, "the depth's gathers were already in flight")
 _DECLINED = Why(MissReason.declined, "a gradient reduction was pending, or FSDP2 does not unshard in backward")
@@ -290,10 +291,9 @@ class Replay:
     def unfinished(self) -> str | None:
         """Why a scope ending now left its order: too few of its demands matched it (the entries
         it never reached are skipped); None if it kept to it."""
-        cursor = self.cursor
-        if self._passed == 0 and self._matched == self._demands and (cursor.done or self._realign(at_end=True)):
+        if self._passed == 0 and self._matched == self._demands and (self.cursor.done or self._realign(at_end=True)):
             return None
-        cursor = self.cursor
+        cursor = self.cursor  # the prefix rule may have followed another suffix
         rest = cursor.order.entries[cursor.position :]
         considered = self._demands + self._passed + len(rest)
         if self._matched > MIN_MATCHED * considered:
