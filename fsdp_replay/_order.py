@@ -458,10 +458,13 @@ def _lookahead_from(entries: tuple[Entry, ...], position: int, depth: int, reuse
     segment = entries[position].segment
     picked: list[Entry] = []
     units: set[Unit] = set()
+    certain = 0
+    """Entries picked that ran in every recorded scope: those that did not take no depth slot (see
+    ``Replay.provide``), so a skip of one costs its released gather, not also a miss of the next."""
     for i in range(position, len(entries)):
         entry = entries[i]
         # depth + 1 entries: the nearest may be a unit in use, kept rather than gathered.
-        if len(picked) > depth or entry.segment != segment:
+        if certain > depth or entry.segment != segment:
             break  # the first half of the segment rule (see Cursor.lookahead)
         if not entry.needs_gather or entry.share < RARE_SHARE:
             continue
@@ -469,6 +472,7 @@ def _lookahead_from(entries: tuple[Entry, ...], position: int, depth: int, reuse
             break
         picked.append(entry)
         units.add(entry.unit)
+        certain += entry.share == 1.0
     reuse = _reuse_from(entries, position, reuse_distance) if reuse_distance and position else None
     return Lookahead(tuple(picked), depth, segment, reuse)
 

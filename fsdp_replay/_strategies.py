@@ -324,18 +324,21 @@ class Replay:
         ran = self._ran
         for entry in ahead.entries:
             unit = entry.unit
-            if entry.share < 1.0 and not entry.phase.in_forward and unit not in ran:
+            # A sometimes-run entry takes no depth slot: where the data skips it, the next unit's
+            # gather is in flight too (bounded by the byte cap and the lookahead, _lookahead_from).
+            sometimes = entry.share < 1.0
+            if sometimes and not entry.phase.in_forward and unit not in ran:
                 continue  # a sometimes-run unit that did not run forward has no backward this scope
             held = holds(unit)
             if held is not None:
-                gathers += held is _PREFETCHED
+                gathers += held is _PREFETCHED and not sometimes
                 continue
             state = unit.state
             standing = _IN_USE if unit is demanded else standing_of(state)
             if standing is _PROVIDED:
                 continue  # resident or gathering already (accumulation settings, a user's unshard)
             in_use = standing is _IN_USE
-            if not in_use and gathers >= ahead.gathers:
+            if not in_use and not sometimes and gathers >= ahead.gathers:
                 self._stop = (entry, _DEPTH_REACHED)
                 break  # the next demand frees a slot
             if not window.fits(unit):
@@ -348,7 +351,7 @@ class Replay:
                     return  # nothing later may jump the queue
                 window.keep(unit)
             elif window.prefetch(unit, state, backward=not entry.phase.in_forward):
-                gathers += 1
+                gathers += not sometimes
             else:
                 self._stop = (entry, _DECLINED)
         reuse = ahead.reuse
