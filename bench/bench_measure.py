@@ -101,8 +101,10 @@ def build_contender(
     A meter beside an ``auto`` depth's own timing sees the same waits (one shadow per param group).
     """
     model = w.make_model().shard(mesh)  # make_model seeds: every mode starts from the same weights
-    config = prefetch_config(mode, run, depth=depth, measure_waits=measure_waits, record_steps=w.record_steps)
-    sched = attach(model, config) if mode != "plain" else None
+    sched = None
+    if mode != "plain":
+        config = prefetch_config(mode, run, depth=depth, measure_waits=measure_waits, record_steps=w.record_steps)
+        sched = attach(model, config)
     observer = DemandObserver(model)  # after attach: its hooks run first, so it sees FSDP2's state untouched
     meter = WaitMeter(model) if metered else None
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
