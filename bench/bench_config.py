@@ -14,6 +14,9 @@ from fsdp_replay.config import require_at_least
 MODES = ("plain", "demand", "static", "record_and_replay")
 """``plain`` is torch's ``fully_shard`` with no scheduler attached (FSDP2's own default prefetch)."""
 WORKLOADS = ("sequential", "out_of_order", "shared_block", "checkpointed", "interleaved_1f1b")
+CONDITIONAL_WORKLOADS = ("moe_dynamic", "layer_drop")
+"""Data decides which of their units run (``bench.workloads=[moe_dynamic,layer_drop]``): ``record_and_replay``
+merges ``Workload.record_steps`` recordings, and warms up at least that many steps plus one."""
 SUITES = ("standard", "pipeline", "explain", "depths", "gpu_link", "host_cost")
 """``standard``: ``bench.workloads`` on ``bench.world_size`` ranks; ``pipeline``: the ``pipeline`` node;
 ``explain``: ``sched.explain()`` of a replayed ``record_and_replay`` step of each of ``bench.workloads``;
@@ -49,7 +52,8 @@ class RunConfig:
     quick: bool = False
     """CI smoke run: tiny models and two measured steps (replaces the sizes and step counts below)."""
     workloads: list[str] = field(default_factory=lambda: list(WORKLOADS))
-    """Canonical workloads of ``fsdp_replay.testing.workloads`` to measure (``tied_embedding`` also works)."""
+    """Workloads of ``fsdp_replay.testing.workloads`` to measure (``tied_embedding`` and
+    :data:`CONDITIONAL_WORKLOADS` also work)."""
     modes: list[str] = field(default_factory=lambda: list(MODES))
     """Stepped in this order, one step each in turn: A B C D A B C D ..."""
     dim: int = 512

@@ -67,16 +67,19 @@ class Contender:
 
 
 def prefetch_config(
-    mode: str, run: RunConfig, *, depth: int | str | None = None, measure_waits: bool = False
+    mode: str, run: RunConfig, *, depth: int | str | None = None, measure_waits: bool = False, record_steps: int = 1
 ) -> PrefetchConfig:
     """The scheduler's config of ``mode``: ``depth`` in both phases (None: the run's prefetch depths),
-    the run's reuse distance for ``record_and_replay``, the package's defaults otherwise."""
+    the run's reuse distance and the workload's ``record_steps`` for ``record_and_replay``, the
+    package's defaults otherwise."""
     forward, backward = (run.forward_prefetch, run.backward_prefetch) if depth is None else (depth, depth)
+    replays = mode == "record_and_replay"
     return PrefetchConfig(
         mode=mode,
         forward_prefetch=forward,
         backward_prefetch=backward,
-        max_reuse_distance=run.max_reuse_distance if mode == "record_and_replay" else 0,
+        max_reuse_distance=run.max_reuse_distance if replays else 0,
+        record_steps=record_steps if replays else 1,
         measure_waits=measure_waits,
     )
 
@@ -98,7 +101,10 @@ def build_contender(
     A meter beside an ``auto`` depth's own timing sees the same waits (one shadow per param group).
     """
     model = w.make_model().shard(mesh)  # make_model seeds: every mode starts from the same weights
-    sched = attach(model, prefetch_config(mode, run, depth=depth, measure_waits=measure_waits)) if mode != "plain" else None
+    sched = None
+    if mode != "plain":
+        config = prefetch_config(mode, run, depth=depth, measure_waits=measure_waits, record_steps=w.record_steps)
+        sched = attach(model, config)
     observer = DemandObserver(model)  # after attach: its hooks run first, so it sees FSDP2's state untouched
     meter = WaitMeter(model) if metered else None
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -315,7 +321,8 @@ def measure_rank(mesh: DeviceMesh, cfg_dict: dict[str, Any], out_dir: str) -> di
         for name in run.workloads:
             w = workload(name, dim=run.dim, hidden=run.hidden, n_blocks=run.n_blocks, rows=run.rows).on(device)
             start = time.perf_counter()
-            results[name] = measure_workload(mesh, w, run, probe, device, Path(out_dir), specs, warmup_steps)
+            warmup = max(warmup_steps, w.record_steps + 1)  # every recording, then one replayed scope
+            results[name] = measure_workload(mesh, w, run, probe, device, Path(out_dir), specs, warmup)
             if dist.get_rank() == 0:
                 print(f"bench: {name} measured in {time.perf_counter() - start:.1f} s", flush=True)
     return {"rank": dist.get_rank(), "backend": dist.get_backend(), "workloads": results}

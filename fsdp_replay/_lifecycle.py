@@ -17,10 +17,12 @@ from fsdp_replay._adaptive import AdaptiveDepth
 from fsdp_replay._automatic import AUTO_KEYS, AutomaticScopes
 from fsdp_replay._modes import ScopeModes
 from fsdp_replay._order import RecordedOrders
+from fsdp_replay._ranks import RankMismatchError, check_demands_across_ranks
 from fsdp_replay._roots import Roots
 from fsdp_replay._scope import Scope
 from fsdp_replay._strategies import Record, Replay, ScopeMode
 from fsdp_replay._timeline import FinishedScope, Timeline
+from fsdp_replay._units import Unit
 from fsdp_replay._window import PrefetchWindow
 from fsdp_replay.config import DivergencePolicy, PrefetchConfig
 from fsdp_replay.stats import Count, MissReason, PrefetchStats, Why
@@ -37,6 +39,7 @@ class ScopeLifecycle:
     """Scope bookkeeping of :class:`~fsdp_replay.scheduler.PrefetchScheduler` (see the module docstring)."""
 
     config: PrefetchConfig
+    units: list[Unit]
     _scope: Scope | None
     """The open scope, if any."""
     _finished: dict[str, FinishedScope]
@@ -52,6 +55,10 @@ class ScopeLifecycle:
 
     def _begin_scope(self, key: str, *, explicit: bool, rerecord: bool = False) -> Scope:
         scope = Scope(key=key, explicit=explicit, strategy=self._modes.strategy_for(key, rerecord=rerecord))
+        strategy = scope.strategy
+        # Decided from the order, which every rank shares (it was compared before its first replay).
+        if self.config.check_ranks and isinstance(strategy, Replay) and strategy.cursor.order.conditional:
+            scope.compare_demands = lambda: self._compare_demands(scope)
         self._scope = scope
         self._window.timeline = scope.timeline
         if self._waits is not None:
@@ -73,19 +80,20 @@ class ScopeLifecycle:
             self._end_scope(scope)  # a forward with no backward after it
 
     def _end_scope(self, scope: Scope, *, failure: str | None = None) -> None:
-        self._count_prefetches()
-        self._scope = None
         why = f"the scope failed: {failure}" if failure is not None else "the scope ended before its demand"
         self._stats.count(scope.key, Count.wasted, self._window.release_all(why))
+        self._count_prefetches()
+        self._scope = None
         if failure is not None:
             self._orders.drop(scope.key, reason=failure)
             self._finish(scope, f"failed: {failure}", failed=True)
             return
         strategy = scope.strategy
         try:
+            if scope.compare_demands is not None:
+                scope.compare_demands()
             if isinstance(strategy, Record):
-                if entries := strategy.recording.entries:
-                    self._orders.install(scope.key, strategy.recording)
+                if (entries := strategy.recording.entries) and self._orders.install(scope.key, strategy.recording):
                     self._depths.rerecorded(scope.key)
                     self._stats.count(scope.key, Count.recordings)
                     logger.debug("fsdp_replay: recorded %d demands for iteration %r", len(entries), scope.key)
@@ -96,6 +104,20 @@ class ScopeLifecycle:
                     self._orders.trim(scope.key, strategy.cursor.order)
         finally:  # also when a divergence raises: every rank takes part in the depth's agreement
             self._finish(scope, None)
+
+    def _compare_demands(self, scope: Scope) -> None:
+        """Where data decides which units run, check that every rank ran the same (before anything
+        here may raise, so that every rank takes part).
+
+        Raises:
+            RankMismatchError: they did not; the key's order is dropped on every rank.
+        """
+        try:
+            check_demands_across_ranks(scope.key, scope.demand_list(), [unit.state for unit in self.units])
+        except RankMismatchError:
+            self._orders.discard_unchecked(scope.key)
+            scope.outcome = "failed: the ranks ran different units"
+            raise
 
     def _finish(self, scope: Scope, outcome: str | None, *, failed: bool = False) -> None:
         """Keep the scope for ``explain()`` (the window's events go to a throwaway timeline until the
@@ -118,9 +140,9 @@ class ScopeLifecycle:
         """No more automatic scopes: their orders are dropped and the open one ends unrecorded."""
         scope = self._scope
         if scope is not None and not scope.explicit:
+            self._stats.count(scope.key, Count.wasted, self._window.release_all(f"automatic scopes stopped: {reason}"))
             self._count_prefetches()
             self._scope = None
-            self._stats.count(scope.key, Count.wasted, self._window.release_all(f"automatic scopes stopped: {reason}"))
             self._finish(scope, f"stopped: {reason}")
         for key in AUTO_KEYS:
             self._orders.discard_unchecked(key)
@@ -131,11 +153,19 @@ class ScopeLifecycle:
         self._stats.count(scope.key, Count.wasted, self._window.release_all(str(why)))
 
     def _count_prefetches(self) -> None:
-        """Count the prefetches the window issued since the last count, under the open scope's key.
+        """Count the prefetches the window issued (and released one at a time) since the last count,
+        under the open scope's key.
 
         Only strategies prefetch, inside a scope, so counting them when the stats are read and
         when a scope ends attributes each to its key, at no cost per prefetch.
         """
-        if self._window.issued:
-            self._stats.count(self._scope.key if self._scope is not None else None, Count.prefetches, self._window.issued)
-            self._window.issued = 0
+        window, key = self._window, self._scope.key if self._scope is not None else None
+        if window.issued:
+            self._stats.count(key, Count.prefetches, window.issued)
+            window.issued = 0
+        if window.wasted:
+            self._stats.count(key, Count.wasted, window.wasted)
+            window.wasted = 0
+        if window.wasted_bytes:
+            self._stats.count(key, Count.wasted_bytes, window.wasted_bytes)
+            window.wasted_bytes = 0

@@ -41,6 +41,7 @@ class ScopeModes:
             return DEMAND_ONLY
         if mode is PrefetchMode.static:
             return Static(self._static_successors, self._depths.of(key), self._window)
+        self._orders.began(key)
         if rerecord:
             self._orders.drop(key, reason="rerecord=True")
         order = self._orders.get(key)

@@ -3,12 +3,15 @@
 Everything about the order lives here: the demands of a scope as they are recorded
 (:class:`Recording`), the immutable sequence they become (:class:`ExecutionOrder`), the prefetch
 depth of each phase (:class:`Depth`), the lookahead of each position (what a refill may provide
-for), and the segment rule (a segment is the part of a scope between two ends of backward).
+for), and the segment rule (a segment is the part of a scope between two ends of backward). An
+order may merge several recorded scopes (``record_steps``): each entry then says in what share of
+them it ran, and one that ran in fewer than half is not prefetched speculatively.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
 import hashlib
 import logging
@@ -58,6 +61,15 @@ class Entry:
     """
     segment: int = 0
     """Backward passes finished before this demand in its scope (see :meth:`Cursor.lookahead`)."""
+    share: float = 1.0
+    """In what share of the recorded scopes this demand came (below 1: the data decided whether its
+    unit ran; see :class:`MergedRecordings`)."""
+
+    @property
+    def speculative(self) -> bool:
+        """Ran in fewer than half the recorded scopes: not prefetched ahead (it would be wasted more
+        often than used), its demand gathers at the point of use."""
+        return self.share < RARE_SHARE
 
     def matches(self, unit: Unit, phase: Phase) -> bool:
         return self.unit is unit and self.phase is phase
@@ -92,6 +104,47 @@ class Recording:
 
     def end_backward(self) -> None:
         self.segment += 1
+
+
+RARE_SHARE = 0.5
+"""Entries that ran in fewer than this share of the recorded scopes are not prefetched
+(:attr:`Entry.speculative`): a prefetch of one would be released unused more often than used."""
+
+
+class MergedRecordings:
+    """The recordings of a key's first ``record_steps`` scopes merged into one order, with how often
+    each entry ran.
+
+    Each recording is aligned to the merge so far by their longest matching blocks (``difflib``):
+    a matched entry ran once more, an entry only one side has is kept where it came. A unit that
+    data skips (an idle expert, a dropped layer) is one entry that ran in some of the scopes. The
+    merge depends only on the demands, which every rank runs alike, so ranks merge the same order
+    (and ``check_ranks`` compares it before its first replay, as any recording).
+    """
+
+    def __init__(self) -> None:
+        self._entries: list[Entry] = []
+        self._runs: list[int] = []
+        self.scopes = 0
+
+    def add(self, recording: Recording) -> None:
+        new = recording.entries
+        mine = [(e.unit, e.phase, e.segment) for e in self._entries]
+        theirs = [(e.unit, e.phase, e.segment) for e in new]
+        entries: list[Entry] = []
+        runs: list[int] = []
+        for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, mine, theirs, autojunk=False).get_opcodes():
+            entries += self._entries[i1:i2]
+            runs += [r + (tag == "equal") for r in self._runs[i1:i2]]
+            if tag != "equal":
+                entries += new[j1:j2]
+                runs += [1] * (j2 - j1)
+        self._entries, self._runs = entries, runs
+        self.scopes += 1
+
+    def order(self) -> ExecutionOrder:
+        scopes = self.scopes
+        return ExecutionOrder([dataclasses.replace(e, share=r / scopes) for e, r in zip(self._entries, self._runs)])
 
 
 class Lookahead(NamedTuple):
@@ -153,9 +206,13 @@ class ExecutionOrder:
     def as_list(self) -> list[tuple[str, str]]:
         return [(e.unit.fqn, e.phase.value) for e in self.entries]
 
-    def to_state(self) -> list[tuple[str, str, bool, int]]:
-        """A picklable form keyed by FQN, for checkpoints and cross-rank comparison."""
-        return [(e.unit.fqn, e.phase.value, e.needs_gather, e.segment) for e in self.entries]
+    def to_state(self) -> list[tuple]:
+        """A picklable form keyed by FQN, for checkpoints and cross-rank comparison; an entry that did
+        not run in every recorded scope carries its share as a fifth field."""
+        return [
+            (e.unit.fqn, e.phase.value, e.needs_gather, e.segment) + ((e.share,) if e.share != 1.0 else ())
+            for e in self.entries
+        ]
 
     @classmethod
     def from_state(cls, items: Sequence[Sequence], units: dict[str, Unit]) -> ExecutionOrder | str:
@@ -166,9 +223,11 @@ class ExecutionOrder:
         """
         entries = []
         for position, item in enumerate(items):
-            if len(item) != 4:
-                raise ValueError(f"recorded order entry {position} is {item!r}; expected (fqn, phase, needs_gather, segment)")
-            fqn, phase, needs_gather, segment = item
+            if len(item) not in (4, 5):
+                raise ValueError(
+                    f"recorded order entry {position} is {item!r}; expected (fqn, phase, needs_gather, segment[, share])"
+                )
+            fqn, phase, needs_gather, segment, *share = item
             if phase not in Phase._value2member_map_:
                 raise ValueError(
                     f"recorded order entry {position} has phase {phase!r}; valid phases are "
@@ -176,25 +235,44 @@ class ExecutionOrder:
                 )
             if fqn not in units:
                 return f"entry {position} names unit {fqn!r}, which this model does not have"
-            entries.append(Entry(units[fqn], Phase(phase), bool(needs_gather), int(segment)))
+            entries.append(Entry(units[fqn], Phase(phase), bool(needs_gather), int(segment), *map(float, share)))
         return cls(entries)
 
     def digest(self) -> int:
         """A 62-bit fingerprint that ranks compare instead of whole orders."""
-        h = hashlib.sha256()
-        for fqn, phase, needs_gather, segment in self.to_state():
-            h.update(f"{fqn}\0{phase}\0{int(needs_gather)}\0{segment}\n".encode())
-        return int.from_bytes(h.digest()[:8], "little") >> 2
+        return fingerprint(self.to_state())
+
+    @property
+    def conditional(self) -> bool:
+        """Some entries ran in only some of the recorded scopes: data decides which units run, so
+        with ``check_ranks`` each replayed scope's demands are compared across ranks at its end."""
+        return any(e.share < 1.0 for e in self.entries)
+
+
+WARN_EVERY = 50
+"""A key's order dropped again within this many of its scopes after a warning is logged at INFO, not
+WARNING: a model whose order keeps changing warns once per this many steps, not every step."""
 
 
 class RecordedOrders:
     """The installed order of each scope key, and which of them the ranks have compared."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, record_steps: int = 1) -> None:
         self._orders: dict[str, ExecutionOrder] = {}
         self._checked: set[str] = set()
         self._unreplayed: set[str] = set()
         """Recorded in this process and not replayed yet (see :meth:`first_replay`)."""
+        self._record_steps = record_steps
+        self._merging: dict[str, MergedRecordings] = {}
+        """Keys with fewer than ``record_steps`` recordings so far, merged as they come."""
+        self._scopes: dict[str, int] = {}
+        """Scopes begun per key (see :meth:`began`)."""
+        self._warned_at: dict[str, int] = {}
+        """The key's scope count when a drop of its order was last logged as a warning."""
+
+    def began(self, key: str) -> None:
+        """A scope of ``key`` begins (what the divergence warning's rate counts)."""
+        self._scopes[key] = self._scopes.get(key, 0) + 1
 
     def get(self, key: str) -> ExecutionOrder | None:
         return self._orders.get(key)
@@ -205,11 +283,27 @@ class RecordedOrders:
     def keys(self) -> list[str]:
         return list(self._orders)
 
-    def install(self, key: str, recording: Recording) -> None:
-        start = recording.likely_start if recording.likely_start < len(recording.entries) else 0
-        self._orders[key] = ExecutionOrder(recording.entries, likely_start=start)
+    def install(self, key: str, recording: Recording) -> bool:
+        """Make ``recording`` the order of ``key``; with ``record_steps`` above 1, merge it with the
+        key's earlier recordings instead, installing the merge at the last. Returns whether an
+        order was installed.
+
+        A merged order has no likely start: a one-off prefix of the first recording ran in one
+        scope of several, so it is rare and never prefetched.
+        """
+        if self._record_steps == 1:
+            start = recording.likely_start if recording.likely_start < len(recording.entries) else 0
+            order = ExecutionOrder(recording.entries, likely_start=start)
+        else:
+            merged = self._merging.setdefault(key, MergedRecordings())
+            merged.add(recording)
+            if merged.scopes < self._record_steps:
+                return False
+            order = self._merging.pop(key).order()
+        self._orders[key] = order
         self._checked.discard(key)
         self._unreplayed.add(key)
+        return True
 
     def first_replay(self, key: str) -> bool:
         """Whether this replay of ``key`` is the first since it was recorded here; it no longer is after.
@@ -229,16 +323,24 @@ class RecordedOrders:
             logger.info("fsdp_replay: the first replay of %r skipped a one-off prefix of its recording", key)
 
     def drop(self, key: str, *, reason: str) -> None:
-        """Forget ``key``'s order (its next scope records again), saying why in the log."""
+        """Forget ``key``'s order and any recordings being merged (its next scope records again),
+        saying why in the log: a warning at most once per :data:`WARN_EVERY` scopes of the key."""
         self._unreplayed.discard(key)
+        self._merging.pop(key, None)
         if self._orders.pop(key, None) is not None:
             self._checked.discard(key)
-            logger.warning("fsdp_replay: invalidated the recorded order of %r: %s", key, reason)
+            scopes, warned = self._scopes.get(key, 0), self._warned_at.get(key)
+            if warned is None or scopes - warned >= WARN_EVERY:
+                self._warned_at[key] = scopes
+                logger.warning("fsdp_replay: invalidated the recorded order of %r: %s", key, reason)
+            else:
+                logger.info("fsdp_replay: invalidated the recorded order of %r again: %s", key, reason)
 
     def discard_unchecked(self, key: str) -> None:
         """Forget ``key``'s order without a log line (the ranks disagree on it and an error says so, or
         automatic scopes stopped and a warning says so)."""
         self._orders.pop(key, None)
+        self._merging.pop(key, None)
         self._unreplayed.discard(key)
 
     def needs_check(self, key: str) -> bool:
@@ -260,7 +362,16 @@ class RecordedOrders:
         self._orders = {key: order for key, order in loaded.items() if isinstance(order, ExecutionOrder)}
         self._checked.clear()  # loaded orders are compared across ranks before first use
         self._unreplayed.clear()
+        self._merging.clear()
         return {key: why for key, why in loaded.items() if isinstance(why, str)}
+
+
+def fingerprint(items: Sequence[Sequence[Any]]) -> int:
+    """A 62-bit fingerprint of a sequence of tuples, that ranks compare instead of the whole sequence."""
+    h = hashlib.sha256()
+    for item in items:
+        h.update(("\0".join(map(str, item)) + "\n").encode())
+    return int.from_bytes(h.digest()[:8], "little") >> 2
 
 
 def first_difference(a: Sequence, b: Sequence) -> int:
@@ -308,6 +419,18 @@ class Cursor:
                 return True
         return False
 
+    def find(self, unit: Unit, phase: Phase) -> int | None:
+        """The position of the next entry of ``(unit, phase)`` in the current segment, if any (where a
+        demand that skipped entries rejoins the order: ``Replay``'s tolerance)."""
+        entries, segment = self._entries, self.segment
+        for position in range(self.position, len(entries)):
+            entry = entries[position]
+            if entry.segment > segment:
+                return None
+            if entry.unit is unit and entry.phase is phase:
+                return position
+        return None
+
     def end_backward(self) -> None:
         self.segment += 1
 
@@ -335,17 +458,21 @@ def _lookahead_from(entries: tuple[Entry, ...], position: int, depth: int, reuse
     segment = entries[position].segment
     picked: list[Entry] = []
     units: set[Unit] = set()
+    certain = 0
+    """Entries picked that ran in every recorded scope: those that did not take no depth slot (see
+    ``Replay.provide``), so a skip of one costs its released gather, not also a miss of the next."""
     for i in range(position, len(entries)):
         entry = entries[i]
         # depth + 1 entries: the nearest may be a unit in use, kept rather than gathered.
-        if len(picked) > depth or entry.segment != segment:
+        if certain > depth or entry.segment != segment:
             break  # the first half of the segment rule (see Cursor.lookahead)
-        if not entry.needs_gather:
+        if not entry.needs_gather or entry.share < RARE_SHARE:
             continue
         if entry.unit in units:
             break
         picked.append(entry)
         units.add(entry.unit)
+        certain += entry.share == 1.0
     reuse = _reuse_from(entries, position, reuse_distance) if reuse_distance and position else None
     return Lookahead(tuple(picked), depth, segment, reuse)
 

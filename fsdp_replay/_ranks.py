@@ -1,4 +1,6 @@
-"""The cross-rank check of a recorded order: replaying different orders would mismatch collectives."""
+"""Cross-rank checks: of a recorded order (replaying different orders would mismatch collectives),
+and of a replayed scope's demands where the data decides which units run (ranks that skip different
+units would pair different collectives)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_replay import _compat
-from fsdp_replay._order import ExecutionOrder, RecordedOrders, first_difference
+from fsdp_replay._order import RecordedOrders, fingerprint, first_difference
 
 
 class RankMismatchError(RuntimeError):
@@ -25,37 +27,65 @@ def check_across_ranks(key: str, orders: RecordedOrders, states: Sequence[Any]) 
     Raises:
         RankMismatchError: naming, for each rank that differs from rank 0, the first differing demand.
     """
+    order = orders.get(key)
+    all_orders = _every_ranks_items_if_they_differ(key, order.to_state(), order.digest(), states)
+    if all_orders is not None:
+        orders.discard_unchecked(key)
+        headline = f"ranks recorded different demand orders for iteration {key!r}"
+        raise RankMismatchError(_describe_rank_mismatch(headline, all_orders))
+    orders.checked(key)
+
+
+def check_demands_across_ranks(key: str, demands: list[tuple[str, str]], states: Sequence[Any]) -> None:
+    """Compare a replayed scope's ``(unit FQN, phase)`` demands (length + digest) across the ranks of
+    each process group of the units' ``states``: one small all-gather per group, at the scope's end.
+
+    Raises:
+        RankMismatchError: on every rank, naming for each rank that differs from rank 0 the first
+            differing demand: the data skipped different units on different ranks.
+    """
+    all_demands = _every_ranks_items_if_they_differ(key, demands, fingerprint(demands), states)
+    if all_demands is not None:
+        raise RankMismatchError(
+            _describe_rank_mismatch(
+                f"ranks ran different units in iteration {key!r} (the data skipped different units on different ranks)",
+                all_demands,
+            )
+        )
+
+
+def _every_ranks_items_if_they_differ(key: str, items: list[Any], digest: int, states: Sequence[Any]) -> list[Any] | None:
+    """Every rank's ``items`` where some rank of a process group of ``states`` has others (compared
+    by length and ``digest``, each group in the order the states come, the same on all its ranks)."""
     compared: set[int] = set()
     for state in states:
         if (group := id(_compat.process_group(state))) in compared:
             continue
         compared.add(group)
-        all_orders = _every_ranks_order_if_they_differ(key, orders.get(key), state)
-        if all_orders is not None:
-            orders.discard_unchecked(key)
-            raise RankMismatchError(_describe_rank_mismatch(key, all_orders))
-    orders.checked(key)
+        if (every := _every_ranks_if_they_differ(key, items, digest, state)) is not None:
+            return every
+    return None
 
 
-def _every_ranks_order_if_they_differ(key: str, order: ExecutionOrder, state: Any) -> list[Any] | None:
+def _every_ranks_if_they_differ(key: str, items: list[Any], digest: int, state: Any) -> list[Any] | None:
     group = _compat.process_group(state)
     if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return None
     with _compat.trace("fsdp_replay::check_ranks", key):
-        mine = torch.tensor([len(order), order.digest()], dtype=torch.int64, device=_compat.device(state))
+        mine = torch.tensor([len(items), digest], dtype=torch.int64, device=_compat.device(state))
         # Pre-filled with our own value: a no-op (fake) backend then compares equal.
         gathered = [mine.clone() for _ in range(dist.get_world_size(group))]
         dist.all_gather(gathered, mine, group=group)
         if all(torch.equal(g, mine) for g in gathered):
             return None
-        all_orders: list[Any] = [order.to_state() for _ in gathered]
-        dist.all_gather_object(all_orders, order.to_state(), group=group)
-    return all_orders
+        every: list[Any] = [items for _ in gathered]
+        dist.all_gather_object(every, items, group=group)
+    return every
 
 
-def _describe_rank_mismatch(key: str, orders: list[list[tuple]]) -> str:
+def _describe_rank_mismatch(headline: str, orders: list[list[tuple]]) -> str:
     reference = orders[0]
-    lines = [f"fsdp_replay: ranks recorded different demand orders for iteration {key!r} (check_ranks=True):"]
+    lines = [f"fsdp_replay: {headline} (check_ranks=True):"]
     for rank, order in enumerate(orders[1:], start=1):
         if order == reference:
             continue

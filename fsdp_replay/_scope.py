@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from fsdp_replay import _compat
 from fsdp_replay._adaptive import ScopeWaits, phase_waits
@@ -42,6 +43,11 @@ class Scope:
     taken_over: dict[Unit, str] = field(default_factory=dict)
     """Units another party resharded or reset since their last demand, and whose call it was."""
     outcome: str = "completed"
+    compare_demands: Callable[[], None] | None = None
+    """Compares its demands so far across ranks, raising ``RankMismatchError`` if they differ: set
+    where it replays an order whose units the data runs only sometimes, under ``check_ranks``
+    (``_lifecycle.py``). Called as each backward begins and at the scope's end (see :meth:`demanded`)."""
+    _forward_since_compared: bool = False
     started: float = field(default_factory=time.perf_counter)
     mode: str = field(init=False)
     """What the scope set out to do (``record``, ``replay``, ``static``, ``demand``), whatever it fell back to."""
@@ -70,7 +76,20 @@ class Scope:
         timeline = self.timeline
         timeline.append((Event.demand, unit, phase, demand, held, why))
         timeline.demands += 1
+        if self.compare_demands is not None:
+            # Where ranks ran different units in forward, the backward's prefetches (provided for
+            # the units each ran) would pair different collectives: the ranks compare first, at the
+            # first backward demand after forwards, a point every rank reaches.
+            if phase.in_forward:
+                self._forward_since_compared = True
+            elif self._forward_since_compared:
+                self._forward_since_compared = False
+                self.compare_demands()
         return timeline.demands - 1
+
+    def demand_list(self) -> list[tuple[str, str]]:
+        """Its demands so far, as ``(unit FQN, phase)``."""
+        return [(event[1].fqn, event[2].value) for event in self.timeline if event[0] is Event.demand]
 
     def other_party(self, unit: Unit, call: _compat.OtherPartyCall, held: Held | None, *, undoes: bool) -> None:
         """Someone else acted on ``unit``: ``held`` is what the window had provided for it, now
@@ -85,8 +104,17 @@ class Scope:
             self.timeline.append((Event.taken_over, unit, held, who))
 
     def off_order(self, divergence: str | None) -> Why:
-        """The last demand missed off the order: it diverged there, or realigned (the prefix rule)."""
-        why = Why(MissReason.after_divergence, divergence) if divergence else Why(MissReason.realigned)
+        """The last demand missed off the order: it diverged there, or replay tolerated it (skipped
+        entries, not in the order, realigned). A divergence found at a late demand of a skipped
+        entry is also written on the miss of the demand that skipped it, where the order was left."""
+        if not divergence:
+            why = self.strategy.tolerated
+        else:
+            why = Why(MissReason.after_divergence, divergence)
+            left_at = getattr(self.strategy, "left_at", None)
+            demands = [i for i, event in enumerate(self.timeline) if event[0] is Event.demand]
+            if left_at is not None and (row := self.timeline[demands[left_at]])[5] is not None:
+                self.timeline[demands[left_at]] = (*row[:5], why)
         at = max(i for i, event in enumerate(self.timeline) if event[0] is Event.demand)
         self.timeline[at] = (*self.timeline[at][:5], why)
         return why

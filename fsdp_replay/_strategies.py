@@ -3,7 +3,8 @@
 The scheduler classifies and counts a demand, then hands it to its scope's strategy, which
 decides what to provide for next: :class:`Record` appends it to a recording, :class:`Replay`
 checks it against the recorded order and refills from the order's lookahead, :class:`Static`
-prefetches the unit's module-tree successors, and :class:`DemandOnly` does nothing. What comes
+prefetches the unit's module-tree successors, and :class:`DemandOnly` does nothing. Replay
+tolerates units the data skips (see [Note: skipped entries and a changed order]). What comes
 next is the order's to say (``_order.py``); what is held is the window's (``_window.py``). A
 strategy never changes its scope's mode: a replay that leaves its order returns why, and the
 scheduler switches the scope to :data:`DEMAND_ONLY`.
@@ -12,11 +13,12 @@ scheduler switches the scope to :data:`DEMAND_ONLY`.
 from __future__ import annotations
 
 import enum
-from typing import Protocol
+from typing import Protocol, Sequence
 
 from fsdp_replay import _compat
 from fsdp_replay._compat import Standing
-from fsdp_replay._order import Cursor, Depth, Phase, Recording
+from fsdp_replay._order import Cursor, Depth, Entry, Phase, Recording
+from fsdp_replay._timeline import Event
 from fsdp_replay._units import Unit
 from fsdp_replay._window import Held, PrefetchWindow
 from fsdp_replay.stats import Demand, MissReason, Why
@@ -87,12 +89,32 @@ _DEMAND_MODE = Why(MissReason.demand_mode)
 _RECORDING = Why(MissReason.recording)
 OFF_ORDER = Why(MissReason.after_divergence, "this demand left the recorded order")
 """A replay's miss off its order: the scheduler learns from :meth:`Replay.on_demand` whether it
-diverged there or realigned (the prefix rule) and says which."""
+diverged there, realigned (the prefix rule) or was tolerated (:attr:`Replay.tolerated`)."""
+_REALIGNED = Why(MissReason.realigned)
+_NOT_IN_ORDER = Why(MissReason.not_in_order)
+
+# [Note: skipped entries and a changed order]
+# Where data decides which units run (idle MoE experts, LayerDrop), a scope's demands are its
+# order with some entries left out. Replay treats the order as what usually happens: a demand
+# found further on in the current segment moves the cursor to it, and the entries passed by are
+# *skipped* (what was provided for them and is not needed next is released at once, counted as
+# wasted); a demand the segment does not have further on is gathered at its use and the cursor
+# stays. Skips never reorder, so two things tell a changed order from skips: a demand of an entry
+# this scope skipped (it came after entries recorded after it: the order is reordered, e.g. two
+# blocks swapped), which diverges at once and names the demand where the order was left; and, at
+# the scope's end, no more than MIN_MATCHED of its demands and skipped entries matching the order.
+# Every decision rests on the order and the scope's demands, which all ranks share, so ranks
+# skip, release and prefetch alike.
+
+MIN_MATCHED = 0.5
+"""A replayed scope whose matched demands are not more than this share of its demands plus the
+entries it skipped ran another order (a forward-only scope of a forward-and-backward order, for
+one): it diverges (see [Note: skipped entries and a changed order])."""
 _BYTE_CAP = Why(MissReason.byte_cap, "max_prefetch_bytes would be exceeded")
 _DEPTH_REACHED = Why(MissReason.depth, "the depth's gathers were already in flight")
 _DECLINED = Why(MissReason.declined, "a gradient reduction was pending, or FSDP2 does not unshard in backward")
 
-_PREFETCHED, _IN_USE, _PROVIDED = Held.prefetched, Standing.in_use, Standing.provided
+_PREFETCHED, _IN_USE, _PROVIDED, _SKIPPED = Held.prefetched, Standing.in_use, Standing.provided, Event.skipped
 """Read per refill entry: see [Note: Enum members on the per-demand path] in ``scheduler.py``."""
 
 
@@ -135,6 +157,8 @@ class Replay:
     short of it) it looks for another position from which the order matches every one of them; it
     then follows that suffix, which the scheduler keeps as the order if the scope reaches its end.
     A wrong realignment is a divergence like any other.
+
+    Skipped entries: see [Note: skipped entries and a changed order].
     """
 
     mode = ScopeMode.replay
@@ -152,6 +176,18 @@ class Replay:
         """Where the latest refill stopped short and why: ``(entry, why)``."""
         self.capped = [False, False]
         """Whether the byte cap stopped a refill heading into forward, and into backward (``"auto"`` depth)."""
+        self.tolerated = _NOT_IN_ORDER
+        """Why the latest demand off the order was tolerated (skipped entries, not in the order, realigned)."""
+        self.left_at: int | None = None
+        """On a divergence at a late demand of a skipped entry: the scope's demand at which it was skipped."""
+        self._demands = 0
+        self._matched = 0
+        self._passed = 0
+        """Entries skipped so far."""
+        self._skipped: dict[tuple[Unit, Phase], tuple[int, str]] = {}
+        """Entries skipped so far in the scope: the demand that skipped each, and where the order was left there."""
+        self._ran: set[Unit] = set()
+        """Units demanded in forward so far: a sometimes-run unit not among them has no backward to provide for."""
         if may_skip_prefix and cursor.order.likely_start:
             self._follow(cursor.order.likely_start, position=0)
 
@@ -160,20 +196,54 @@ class Replay:
         return self._start > 0
 
     def on_demand(self, unit: Unit, phase: Phase, demand: Demand) -> str | None:
+        index = self._demands
+        self._demands = index + 1
+        if phase.in_forward:
+            self._ran.add(unit)
         if self._seen is not None:
             self._seen.append((unit, phase))
-        if not self.cursor.take(unit, phase):
-            if not self._realign(at_end=False):
-                cursor = self.cursor
-                expected = cursor.expected
-                return (
-                    f"diverged at demand {cursor.position}: expected "
-                    f"{expected.describe() if expected is not None else 'the end of the recorded order'}, "
-                    f"got ({unit.fqn!r}, {phase.value!r})"
-                )
+        if self.cursor.take(unit, phase):
+            self._matched += 1
+        elif self._realign(at_end=False):
             self.cursor.advance()
+            self._matched += 1
+            self.tolerated = _REALIGNED
+        elif (divergence := self._tolerate(unit, phase, index)) is not None:
+            return divergence
         self.provide(demanded=unit)
         return None
+
+    def _tolerate(self, unit: Unit, phase: Phase, index: int) -> str | None:
+        """A demand off the order: skip to it, or serve it on demand; returns why the order changed if it did."""
+        cursor = self.cursor
+        got = f"({unit.fqn!r}, {phase.value!r})"
+        at = cursor.find(unit, phase)
+        if at is not None:
+            passed = cursor.order.entries[cursor.position : at]
+            left = f"diverged at demand {cursor.position}: expected {passed[0].describe()}, got {got}"
+            for entry in passed:
+                self._skipped.setdefault((entry.unit, entry.phase), (index, left))
+            cursor.position = at + 1
+            self._matched += 1
+            self.tolerated = Why(MissReason.skipped_ahead, f"{len(passed)} recorded entries before it did not run")
+            self._skip(passed, f"skipped by demand {index} {got}")
+            return None
+        if (skipped := self._skipped.get((unit, phase))) is not None:
+            self.left_at, left = skipped
+            return f"{left}; then {got} came at demand {index}, after entries recorded after it: the order changed"
+        self.tolerated = _NOT_IN_ORDER
+        return None
+
+    def _skip(self, passed: Sequence[Entry], why: str) -> None:
+        """Log the entries passed by, and release what was provided for them that the lookahead does not need now."""
+        self._passed += len(passed)
+        window = self._window
+        timeline = window.timeline
+        needed = {entry.unit for entry in self.cursor.lookahead().entries}
+        for entry in passed:
+            timeline.append((_SKIPPED, entry.unit, entry.phase, why))
+            if entry.unit not in needed and window.holds(entry.unit) is not None:
+                window.release(entry.unit, f"its entry ({entry.unit.fqn!r}, {entry.phase.value!r}) was skipped: {why}")
 
     def _realign(self, *, at_end: bool) -> bool:
         """The prefix rule: follow the recording from the first other position that matches every
@@ -208,6 +278,8 @@ class Replay:
             return OFF_ORDER
         if self._stop is not None and self._stop[0] is entry:
             return self._stop[1]
+        if entry.speculative:
+            return Why(MissReason.speculative, f"it ran in {entry.share:.0%} of the recorded scopes")
         if not entry.needs_gather:
             return Why(MissReason.resident_when_recorded, "its order was recorded while someone else held it unsharded")
         if cursor.waits_for_backward_end():
@@ -217,13 +289,20 @@ class Replay:
         return Why(MissReason.dropped, "provided for, then undone before its demand")
 
     def unfinished(self) -> str | None:
-        """Why a scope ending now left its order: some recorded demands never came."""
-        if self.cursor.done or self._realign(at_end=True):
+        """Why a scope ending now left its order: too few of its demands matched it (the entries
+        it never reached are skipped); None if it kept to it."""
+        if self._passed == 0 and self._matched == self._demands and (self.cursor.done or self._realign(at_end=True)):
             return None
-        cursor = self.cursor
+        cursor = self.cursor  # the prefix rule may have followed another suffix
+        rest = cursor.order.entries[cursor.position :]
+        considered = self._demands + self._passed + len(rest)
+        if self._matched > MIN_MATCHED * considered:
+            self._skip(rest, "the scope ended before it")
+            return None
         return (
-            f"ended after {cursor.position} of {len(cursor.order)} recorded demands; "
-            f"next expected {cursor.expected.describe()}"
+            f"ended after {cursor.position} of {len(cursor.order)} recorded demands, {self._matched} of its "
+            f"{self._demands} demands in the order and {self._passed + len(rest)} entries skipped"
+            + (f"; next expected {rest[0].describe()}" if rest else "")
         )
 
     def provide(self, demanded: Unit | None = None) -> None:
@@ -242,18 +321,24 @@ class Replay:
         holds, standing_of = window.holds, _compat.standing
         gathers = 0
         self._stop = None
+        ran = self._ran
         for entry in ahead.entries:
             unit = entry.unit
+            # A sometimes-run entry takes no depth slot: where the data skips it, the next unit's
+            # gather is in flight too (bounded by the byte cap and the lookahead, _lookahead_from).
+            sometimes = entry.share < 1.0
+            if sometimes and not entry.phase.in_forward and unit not in ran:
+                continue  # a sometimes-run unit that did not run forward has no backward this scope
             held = holds(unit)
             if held is not None:
-                gathers += held is _PREFETCHED
+                gathers += held is _PREFETCHED and not sometimes
                 continue
             state = unit.state
             standing = _IN_USE if unit is demanded else standing_of(state)
             if standing is _PROVIDED:
                 continue  # resident or gathering already (accumulation settings, a user's unshard)
             in_use = standing is _IN_USE
-            if not in_use and gathers >= ahead.gathers:
+            if not in_use and not sometimes and gathers >= ahead.gathers:
                 self._stop = (entry, _DEPTH_REACHED)
                 break  # the next demand frees a slot
             if not window.fits(unit):
@@ -266,7 +351,7 @@ class Replay:
                     return  # nothing later may jump the queue
                 window.keep(unit)
             elif window.prefetch(unit, state, backward=not entry.phase.in_forward):
-                gathers += 1
+                gathers += not sometimes
             else:
                 self._stop = (entry, _DECLINED)
         reuse = ahead.reuse

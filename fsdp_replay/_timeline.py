@@ -20,6 +20,8 @@ class Event(enum.Enum):
     """``(Event.provided, unit, Held)``: the window issued its gather ahead, or kept it unsharded."""
     released = "released"
     """``(Event.released, unit, Held, why: str)``: the scheduler freed it unused (a wasted gather)."""
+    skipped = "skipped"
+    """``(Event.skipped, unit, phase, why: str)``: replay passed a recorded entry by; its unit did not run there."""
     taken_over = "taken_over"
     """``(Event.taken_over, unit, Held, who: str)``: another party undid or took over what was provided."""
 

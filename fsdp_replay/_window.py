@@ -54,6 +54,10 @@ class PrefetchWindow:
         self._skipped: set[Unit] = set()
         """Kept units a reshard of which was skipped (so plain FSDP2 would have them sharded now)."""
         self._bytes_ahead = 0
+        self.wasted = 0
+        """Units released one at a time (:meth:`release`) since the scheduler last counted them."""
+        self.wasted_bytes = 0
+        """Their unsharded bytes, and those of every :meth:`release_all`, since the scheduler last counted them."""
         self.issued = 0
         """Prefetches issued since the scheduler last counted them into its stats (it does when they
         are read and when a scope ends: no call per prefetch)."""
@@ -150,6 +154,29 @@ class PrefetchWindow:
         self._bytes_ahead -= unit.unsharded_bytes
         return held
 
+    def release(self, unit: Unit, why: str) -> None:
+        """Free the unused prefetch or keep of ``unit`` now, noting ``why`` (its entry was skipped:
+        replay passed it by); counted into :attr:`wasted`. Its bytes leave the cap at once."""
+        held = self._held[unit]
+        self.timeline.append((Event.released, unit, held, why))
+        self._free(unit, held)
+        self.take(unit)
+        self.wasted += 1
+        self.wasted_bytes += unit.unsharded_bytes
+
+    def _free(self, unit: Unit, held: Held) -> None:
+        """Undo what the window did for ``unit``: cancel its pending gather, or reshard it if a reshard was skipped."""
+        state = unit.state_or_none()
+        if state is None:
+            return
+        if held is _PREFETCHED:
+            if _compat.is_pending(state):
+                with _compat.trace("fsdp_replay::release", unit.fqn):
+                    _compat.release(state)
+        elif unit in self._skipped:
+            with _compat.trace("fsdp_replay::release", unit.fqn):
+                _compat.reshard_if_idle(state)
+
     def release_all(self, why: str) -> int:
         """Free every unused prefetch and keep, noting ``why`` in the timeline; returns how many were wasted.
 
@@ -159,18 +186,12 @@ class PrefetchWindow:
         the unit at the end of its current use, as it would have anyway.
         """
         wasted = len(self)
+        self.wasted_bytes += self._bytes_ahead
         prefetched, kept = self.units(Held.prefetched), self.units(Held.kept)
         self.timeline += [(Event.released, unit, Held.prefetched, why) for unit in prefetched]
         self.timeline += [(Event.released, unit, Held.kept, why) for unit in kept]
-        for unit in prefetched:
-            state = unit.state_or_none()
-            if state is not None and _compat.is_pending(state):
-                with _compat.trace("fsdp_replay::release", unit.fqn):
-                    _compat.release(state)
-        for unit in kept:
-            if unit in self._skipped and (state := unit.state_or_none()) is not None:
-                with _compat.trace("fsdp_replay::release", unit.fqn):
-                    _compat.reshard_if_idle(state)
+        for unit in prefetched + kept:
+            self._free(unit, self._held[unit])
         self._held.clear()
         self._skipped.clear()
         self._bytes_ahead = 0

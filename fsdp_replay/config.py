@@ -95,6 +95,11 @@ class PrefetchConfig:
     saved for its bytes held over that span (DeepSpeed ZeRO-3's ``stage3_max_reuse_distance``,
     counted in all-gathers). Never across the end of a backward; the byte cap counts kept units.
     0: a unit is kept only for a next use inside the prefetch lookahead."""
+    record_steps: int = 1
+    """``record_and_replay``: scopes of a key recorded (demand-only) before its order is replayed.
+    Above 1 their orders are merged with how often each entry ran, so that units the data runs only
+    sometimes (idle MoE experts, dropped layers) are known, and those that ran in fewer than half of
+    them are not prefetched speculatively (docs/TOLERANT_REPLAY.md). Also after each divergence."""
     check_ranks: bool = True
     """Compare every new recording across the ranks of the units' process group before replaying it."""
     on_divergence: DivergencePolicy | str = DivergencePolicy.fallback
@@ -114,6 +119,7 @@ class PrefetchConfig:
             if getattr(self, name) != "auto":
                 require_at_least(0, self, name, why="0 disables it; or 'auto'")
         require_at_least(0, self, "max_reuse_distance", why="all-gathers between two uses; 0 keeps only within the lookahead")
+        require_at_least(1, self, "record_steps", why="scopes recorded and merged before replay")
         if self.max_reuse_distance and self.mode is not PrefetchMode.record_and_replay:
             raise ValueError(
                 f"PrefetchConfig.max_reuse_distance={self.max_reuse_distance} needs mode record_and_replay (the "

@@ -2,7 +2,8 @@
 
 Each row says how the demand was served, and for a miss why it was not provided for in the
 user's terms (:class:`~fsdp_replay.stats.MissReason`); with ``measure_waits`` it also says how
-long the use blocked on its parameters. ``print(report)`` gives a compact table and
+long the use blocked on its parameters. Recorded entries that replay passed by (units the data
+skipped) and the gathers released for them are listed with their reasons. ``print(report)`` gives a compact table and
 :meth:`ExplainReport.plot` a timeline picture. The rows are built from the scope's timeline
 (``_timeline.py``) when asked, so a scope that nobody explains costs one append per event.
 """
@@ -18,7 +19,7 @@ from fsdp_replay._timeline import Event, FinishedScope
 from fsdp_replay._window import Held
 from fsdp_replay.stats import Demand, MissReason
 
-__all__ = ["DemandRow", "ExplainReport", "GatherUndone", "Served"]
+__all__ = ["DemandRow", "ExplainReport", "GatherUndone", "Served", "SkippedEntry"]
 
 
 class Served(str, enum.Enum):
@@ -71,6 +72,18 @@ class GatherUndone:
     """True where the scheduler released it; False where another party took it over."""
 
 
+@dataclass(frozen=True)
+class SkippedEntry:
+    """A recorded entry that a replayed scope passed by: its unit did not run there this time."""
+
+    position: float
+    """Where it was skipped: halfway after the demand it followed."""
+    unit: str
+    phase: str
+    why: str
+    """Which demand skipped it, or that the scope ended before it."""
+
+
 @dataclass
 class ExplainReport:
     """What one finished scope of a key did with each demand, and why gathers were exposed."""
@@ -83,6 +96,8 @@ class ExplainReport:
     rows: list[DemandRow]
     undone: list[GatherUndone] = field(default_factory=list)
     """Gathers issued ahead that no demand used: wasted by the scheduler or taken over by others."""
+    skipped: list[SkippedEntry] = field(default_factory=list)
+    """Recorded entries the scope passed by (see docs/TOLERANT_REPLAY.md)."""
     waits_measured: bool = False
 
     @property
@@ -116,6 +131,7 @@ def build_report(scope: FinishedScope) -> ExplainReport:
     provided_at: dict[object, float] = {}
     rows: list[DemandRow] = []
     undone: list[GatherUndone] = []
+    skipped: list[SkippedEntry] = []
     for event in scope.timeline:
         kind, unit = event[0], event[1]
         between = len(rows) - 0.5
@@ -136,10 +152,14 @@ def build_report(scope: FinishedScope) -> ExplainReport:
             )
         elif kind is Event.provided:
             provided_at[unit] = between
+        elif kind is Event.skipped:
+            skipped.append(SkippedEntry(between, unit.fqn, event[2].value, event[3]))
         else:
             provided_at.pop(unit, None)
             undone.append(GatherUndone(between, unit.fqn, event[2].value, event[3], wasted=kind is Event.released))
-    return ExplainReport(scope.key, scope.mode, scope.outcome, rows, undone, waits_measured=scope.waits is not None)
+    return ExplainReport(
+        scope.key, scope.mode, scope.outcome, rows, undone, skipped, waits_measured=scope.waits is not None
+    )
 
 
 # --- the compact table ---------------------------------------------------------------------------
@@ -172,12 +192,23 @@ def _render(report: ExplainReport) -> str:
                 f"  #{row.position:<5d} {row.unit:<{width}} {row.phase:<9} {row.served.value:<8} "
                 f"{row.wait_s * 1e3:8.2f} ms  {_why_waited(row)}"
             )
+    if report.skipped:
+        lines.append(f"skipped entries: {len(report.skipped)}")
+        for s in report.skipped[:_LARGEST_WAITS]:
+            lines.append(f"  after #{int(s.position + 0.5) - 1:<5d} {s.unit} {s.phase}: {s.why}")
     for wasted, title in ((True, "wasted gathers"), (False, "taken over by others")):
         if undone := [u for u in report.undone if u.wasted is wasted]:
             lines.append(f"{title}: {len(undone)}")
+            for why, n in collections.Counter(_reason_of(u.why) for u in undone).most_common():
+                lines.append(f"  {n:4d}  {why}")
             for u in undone[:_LARGEST_WAITS]:
                 lines.append(f"  after #{int(u.position + 0.5) - 1:<5d} {u.unit} ({u.held}): {u.why}")
     return "\n".join(lines)
+
+
+def _reason_of(why: str) -> str:
+    """The reason of a release without its particulars (which entry, which demand)."""
+    return "its entry was skipped" if why.startswith("its entry (") else why
 
 
 def _per_unit(report: ExplainReport) -> list[str]:

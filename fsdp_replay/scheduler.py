@@ -62,7 +62,7 @@ class PrefetchScheduler(ScopeLifecycle):
         if not self.units:
             names = ", ".join(type(root).__name__ for root in roots)
             raise ValueError(f"attach(): no fully_shard unit with parameters under {names}")
-        self._orders = RecordedOrders()
+        self._orders = RecordedOrders(record_steps=config.record_steps)
         self._scope: Scope | None = None
         self._depths = AdaptiveDepth(
             config.forward_prefetch, config.backward_prefetch, deepest=len(self.units), agree=self._agree_on_max
@@ -201,7 +201,7 @@ class PrefetchScheduler(ScopeLifecycle):
         return self._stats
 
     def reset_stats(self) -> None:
-        self._window.issued = 0
+        self._window.issued = self._window.wasted = self._window.wasted_bytes = 0
         self._stats = PrefetchStats()
 
     def state_dict(self) -> dict[str, Any]:
@@ -360,9 +360,14 @@ class PrefetchScheduler(ScopeLifecycle):
         scope = self._scope
         if call == "reshard" and scope is not None and isinstance(scope.strategy, Record):
             scope.strategy.recording.resharded_by_other(unit)
-        elif call == "unshard" and _compat.is_sharded_idle(unit.state):
-            self._window.gathered_by_other(unit)  # the gather starts now, after any optimizer step
+        gathers_now = call == "unshard" and _compat.is_sharded_idle(unit.state)
         held = self._window.take(unit)
+        if gathers_now or (call == "unshard" and held is Held.prefetched):
+            # The gather starts now, or the window's own (issued after any optimizer step: none is
+            # left pending across one) becomes theirs: either way its values are current, so the
+            # unit may be kept later. (A pipeline's UNSHARD of a chunk root prefetched at the
+            # scope's start once made its next keep fail as stale.)
+            self._window.gathered_by_other(unit)
         if scope is not None:
             undoes = call != "unshard" and not _compat.is_sharded_idle(unit.state)
             scope.other_party(unit, call, held, undoes=undoes)

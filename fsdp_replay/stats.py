@@ -23,6 +23,7 @@ class Count(str, enum.Enum):
     prefetches = "prefetches"
     kept = "kept"
     wasted = "wasted"
+    wasted_bytes = "wasted_bytes"
     dropped = "dropped"
     divergences = "divergences"
     recordings = "recordings"
@@ -68,6 +69,15 @@ class MissReason(str, enum.Enum):
     realigned = "first replay realigned to its recording"
     """A first replay found its demands elsewhere in the recording (the prefix rule of pipelines) and
     follows from there on."""
+    skipped_ahead = "came after skipped entries"
+    """Recorded entries before this demand did not run this time (a unit the data skipped): replay
+    moved on to it, released what it had provided for them, and prefetches on from here."""
+    not_in_order = "not in the recorded order"
+    """The order has no entry for this demand here (a unit its recorded scopes did not run): it is
+    gathered at its use, and replay continues where it was."""
+    speculative = "rarely run: not prefetched"
+    """Its entry ran in fewer than half the recorded scopes (``record_steps``), so it is not
+    prefetched speculatively."""
     invalidated = "order invalidated mid-scope"
     """``invalidate()`` dropped the order this scope replayed; it finishes demand-only."""
     depth = "prefetch depth reached"
@@ -122,6 +132,8 @@ class KeyStats:
     """Units kept unsharded from one use to their next instead of resharded and gathered again."""
     wasted: int = 0
     """Prefetches and keeps the scheduler released without their demand coming."""
+    wasted_bytes: int = 0
+    """Unsharded bytes of the ``wasted`` prefetches and keeps."""
     dropped: int = 0
     """Prefetches and keeps another party undid or took over before their demand: a user's or a
     pipeline schedule's ``reshard()``/``unshard()``, ``reset_iter_state``, or FSDP2 dropping a

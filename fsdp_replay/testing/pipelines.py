@@ -78,6 +78,8 @@ class PipelineSetup:
     reshard_after_forward: bool = True
     infer_shapes: bool = True
     """Let the first ``step()`` infer stage shapes (a real forward and backward) instead of giving them."""
+    root_params: bool = False
+    """Each chunk root holds parameters of its own (a final ``LayerNorm``), not only its blocks' units."""
 
 
 def pipeline_mesh(world_size: int, pp_size: int = 2, device_type: str = "cpu") -> DeviceMesh:
@@ -92,13 +94,17 @@ def build_stages(setup: PipelineSetup, mesh: DeviceMesh) -> tuple[list[nn.Module
     n_stages = pp_size * (1 if setup.schedule in SINGLE_STAGE_SCHEDULES else 2 if setup.schedule in V_SCHEDULES else setup.chunks)
     torch.manual_seed(0)
     every_stage = [
-        nn.Sequential(*[Block(setup.dim) for _ in range(setup.blocks_per_stage)]) for _ in range(n_stages)
+        nn.Sequential(
+            *[Block(setup.dim) for _ in range(setup.blocks_per_stage)],
+            *([nn.LayerNorm(setup.dim)] if setup.root_params else []),
+        )
+        for _ in range(n_stages)
     ]
     chunks, stages = [], []
     example = torch.zeros(setup.rows // setup.microbatches, setup.dim)
     for index in indices:
         chunk = every_stage[index]
-        for block in chunk:
+        for block in chunk[: setup.blocks_per_stage]:  # a LayerNorm after them stays in the chunk root's unit
             fully_shard(block, mesh=mesh["dp"], reshard_after_forward=setup.reshard_after_forward)
         fully_shard(chunk, mesh=mesh["dp"], reshard_after_forward=setup.reshard_after_forward)
         shapes = {} if setup.infer_shapes else _given_shapes(example, first=index == 0)

@@ -1,7 +1,10 @@
 """Canonical workloads whose call order defeats FSDP2's prefetch guess.
 
 Each workload builds a seeded model, shards it (one unit per block, root last), and runs one
-iteration: a schedule of microbatch forwards ``("F", i)`` and backwards ``("B", i)``.
+iteration: a schedule of microbatch forwards ``("F", i)`` and backwards ``("B", i)``. Two of them
+run units only when the data says so (``moe_dynamic``, ``layer_drop``): their decisions come from
+the batch and the parameters, which every rank holds identically, so all ranks run the same units
+(FSDP2 needs that: a unit run on one rank only would hang its all-gather).
 """
 
 from __future__ import annotations
@@ -89,10 +92,14 @@ class CallSequenceModel(nn.Module):
         self.calls = list(calls)
         self.checkpoint_spans = sorted(checkpoint_spans)
         self.reentrant = reentrant
+        self.skip: set[int] = set()
+        """Blocks that do not run in the next forwards (a test sets it per step, alike on every rank:
+        the data skipping a block, as LayerDrop does)."""
 
     def _run(self, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         for i in self.calls[start:stop]:
-            x = self.blocks[i](x)
+            if i not in self.skip:
+                x = self.blocks[i](x)
         return x
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -136,6 +143,84 @@ class TiedLM(nn.Module):
         return fully_shard(self, mesh=mesh, **kwargs)
 
 
+class MoELayer(nn.Module):
+    """A residual mixture of experts; an expert no token is routed to is not called (as HF Mixtral
+    and Qwen-MoE skip idle experts), so which expert units run depends on the data."""
+
+    def __init__(self, dim: int, hidden: int, n_experts: int) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(dim, hidden), nn.SiLU(), nn.Linear(hidden, dim)) for _ in range(n_experts)
+        )
+
+    def forward(self, x: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        out = x
+        for e, expert in enumerate(self.experts):
+            tokens = (chosen == e).nonzero().flatten()
+            if tokens.numel() == 0:
+                continue
+            out = out.index_add(0, tokens, expert(x[tokens]))
+        return out
+
+
+class MoEModel(nn.Module):
+    """Input projection, MoE layers whose experts are separate units, and a head.
+
+    Tokens are routed by a fixed random projection of the model's input (hash routing, as in Hash
+    Layers): a decision from data every rank holds identically, so every rank calls the same
+    experts, and one that does not rest on gathered values (a fake backend gathers none).
+    """
+
+    def __init__(self, *, dim: int, hidden: int, n_layers: int, n_experts: int) -> None:
+        super().__init__()
+        self.inp = nn.Linear(dim, dim)
+        self.layers = nn.ModuleList(MoELayer(dim, hidden, n_experts) for _ in range(n_layers))
+        self.head = nn.Linear(dim, 1)
+        self.register_buffer("routing", torch.randn(n_layers, dim, n_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        chosen = torch.einsum("td,lde->lte", x, self.routing).argmax(dim=-1)
+        x = self.inp(x)
+        for layer, tokens_to in zip(self.layers, chosen):
+            x = layer(x, tokens_to)
+        return self.head(x).square().mean()
+
+    def shard(self, mesh, **kwargs) -> nn.Module:
+        for layer in self.layers:
+            for expert in layer.experts:
+                fully_shard(expert, mesh=mesh, **kwargs)
+        return fully_shard(self, mesh=mesh, **kwargs)
+
+
+class LayerDropModel(nn.Module):
+    """Blocks each skipped with probability ``p_drop`` per forward (LayerDrop / stochastic depth).
+
+    The draw is seeded from the batch, which every rank holds identically (``Workload.make_batch``
+    is seeded from the step), so all ranks skip the same blocks, as a seed shared across ranks does.
+    """
+
+    def __init__(self, *, dim: int, hidden: int, n_blocks: int, p_drop: float) -> None:
+        super().__init__()
+        self.inp = nn.Linear(dim, dim)
+        self.blocks = nn.ModuleList(Block(dim, hidden) for _ in range(n_blocks))
+        self.head = nn.Linear(dim, 1)
+        self.p_drop = p_drop
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        seed = hash(tuple(x.flatten()[:4].tolist())) & 0x7FFF_FFFF
+        dropped = torch.rand(len(self.blocks), generator=torch.Generator().manual_seed(seed)) < self.p_drop
+        x = self.inp(x)
+        for block, drop in zip(self.blocks, dropped.tolist()):
+            if not drop:
+                x = block(x)
+        return self.head(x).square().mean()
+
+    def shard(self, mesh, **kwargs) -> nn.Module:
+        for block in self.blocks:
+            fully_shard(block, mesh=mesh, **kwargs)
+        return fully_shard(self, mesh=mesh, **kwargs)
+
+
 @dataclass(frozen=True)
 class Workload:
     """A model factory, the inputs of one iteration, and the microbatch schedule."""
@@ -146,6 +231,8 @@ class Workload:
     """(step, microbatch) -> input tensor, identical on every rank."""
     schedule: Schedule = SEQUENTIAL
     notes: str = field(default="", compare=False)
+    record_steps: int = 1
+    """The ``PrefetchConfig.record_steps`` that suits it: above 1 where data decides which units run."""
 
     @property
     def microbatches(self) -> int:
@@ -247,8 +334,33 @@ def canonical_workloads(
     ]
 
 
+def conditional_workloads(*, dim: int = 32, hidden: int = 64, n_blocks: int = 4, rows: int = 8) -> list[Workload]:
+    """Workloads whose data decides which units run (docs/TOLERANT_REPLAY.md): each step's order is
+    its recorded order with some entries left out, so replay must tolerate skips."""
+    dense = _dense_batch(dim, rows)
+    return [
+        Workload(
+            "moe_dynamic",
+            _seeded(lambda: MoEModel(dim=dim, hidden=hidden, n_layers=n_blocks, n_experts=4)),
+            dense,
+            notes="4 experts per layer as units, each token to one; an expert without tokens is not called",
+            record_steps=4,
+        ),
+        Workload(
+            "layer_drop",
+            _seeded(lambda: LayerDropModel(dim=dim, hidden=hidden, n_blocks=2 * n_blocks, p_drop=0.05)),
+            dense,
+            notes="each block skipped with probability 0.05 per forward, the same on every rank",
+            record_steps=4,
+        ),
+    ]
+
+
 def workload(name: str, **sizes: Any) -> Workload:
-    by_name = {w.name: w for w in canonical_workloads(**sizes)}
+    """A canonical or conditional workload by name; ``sizes`` as :func:`canonical_workloads` takes them
+    (a ``block`` factory only for the canonical ones)."""
+    conditional = conditional_workloads(**{k: v for k, v in sizes.items() if k != "block"})
+    by_name = {w.name: w for w in canonical_workloads(**sizes) + conditional}
     if name not in by_name:
         raise ValueError(f"unknown workload {name!r}; workloads are {', '.join(by_name)}")
     return by_name[name]

@@ -31,7 +31,7 @@ sys.path.insert(0, str(BENCH))
 import bench_measure  # noqa: E402
 import bench_report  # noqa: E402
 import bench_netns  # noqa: E402
-from bench_config import DEPTH_SETTLE_STEPS, MODES, WORKLOADS, RunConfig, depth_contender  # noqa: E402
+from bench_config import CONDITIONAL_WORKLOADS, DEPTH_SETTLE_STEPS, MODES, WORKLOADS, RunConfig, depth_contender  # noqa: E402
 from bench_probe import FSDPProbe, StepCounters  # noqa: E402
 
 
@@ -384,3 +384,25 @@ def test_host_cost_unit_counts_reject_anything_but_integers_from_2_naming_the_va
 
     with pytest.raises(ValueError, match=r"CpuCostConfig.unit_counts must be one or more integers >= 2, got "):
         CpuCostConfig(unit_counts=counts)
+
+
+@pytest.fixture(scope="module")
+def conditional_run(tmp_path_factory) -> tuple[dict, Path, str, set[str]]:
+    run_dir = tmp_path_factory.mktemp("bench_conditional")
+    report, stdout, leaked = _run_bench(run_dir, f"bench.workloads=[{','.join(CONDITIONAL_WORKLOADS)}]")
+    return report, run_dir, stdout, leaked
+
+
+def test_conditional_workloads_report_ratios_wasted_bytes_and_their_targets(conditional_run):
+    report, _, stdout, leaked = conditional_run
+    assert set(report["workloads"]) == set(CONDITIONAL_WORKLOADS) and not leaked
+    assert "| wasted MiB |" in stdout
+    for name, w in report["workloads"].items():
+        assert w["warmup_steps"] >= workload(name).record_steps + 1, name
+        rr = w["modes"]["record_and_replay"]
+        assert rr["speedup_vs_plain"] > 0 and rr["speedup_vs_demand"] > 0 and rr["wasted_bytes"] is not None, name
+        assert (rr["wasted_bytes"] > 0) == (rr["wasted"] > 0), name
+        for mode in MODES:
+            assert w["modes"][mode]["losses"] == w["modes"]["plain"]["losses"], (name, mode)
+    targets = {t["target"] for t in report["targets"] if t["workload"] in CONDITIONAL_WORKLOADS}
+    assert {"record_and_replay hits among demands that gather", "record_and_replay wasted share of gathers issued"} <= targets

@@ -79,9 +79,19 @@ def _recorded(mesh, name, config=None):
     return w, model, sched
 
 
+def test_kept_units_are_resharded_when_their_next_use_is_skipped(mesh8):
+    w, model, sched = _recorded(mesh8, "shared_block")
+    model.calls = [0, 1, 1, 2, 3]  # blocks.1 is kept for a third call that never comes: replay skips it
+    with sched.iteration("train"):
+        run_iteration(model, w, 1)
+    assert sched.stats.divergences == 0 and sched.stats.wasted >= 1
+    assert ("blocks.1", "forward") in [(s.unit, s.phase) for s in sched.explain().skipped]
+    _assert_all_sharded_with_settings_restored(model)
+
+
 def test_kept_units_are_resharded_when_the_scope_diverges(mesh8):
     w, model, sched = _recorded(mesh8, "shared_block")
-    model.calls = [0, 1, 1, 2, 3]  # blocks.1 is kept for a third call that never comes
+    model.calls = [0, 2, 1, 1, 1, 3]  # blocks.2 first: blocks.1 is skipped, then comes late
     with sched.iteration("train"):
         run_iteration(model, w, 1)
     assert sched.stats.divergences == 1 and sched.stats.wasted >= 1

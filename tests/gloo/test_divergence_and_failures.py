@@ -168,3 +168,36 @@ def test_check_ranks_raises_on_every_rank_with_first_difference():
     for message in messages:
         assert message is not None
         assert "first difference at demand 2: rank 0 has ('blocks.1', 'forward'), rank 1 has ('blocks.2', 'forward')" in message
+
+
+def _rank_divergent_skips(mesh, forward_prefetch: int, backward_prefetch: int):
+    import torch.distributed as dist
+
+    w = workload("sequential")
+    model = w.make_model().shard(mesh)
+    config = PrefetchConfig(record_steps=2, forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch)
+    sched = attach(model, config)
+    # Recorded: block 3 runs in one of two steps, so the order is conditional.
+    for step, skip in enumerate([set(), {3}]):
+        model.skip = skip
+        with sched.iteration("train"):
+            run_iteration(model, w, step)
+    # Replayed: rank 0 skips block 2, rank 1 block 1 (same sizes: gloo pairs the gathers anyway).
+    model.skip = {2} if dist.get_rank() == 0 else {1}
+    try:
+        with sched.iteration("train"):
+            run_iteration(model, w, 2)
+    except RankMismatchError as e:
+        return str(e), sched.recorded_order("train")
+    return None, sched.recorded_order("train")
+
+
+@pytest.mark.parametrize("depths", [(1, 0), (0, 1)], ids=["forward-prefetch", "backward-prefetch"])
+def test_ranks_that_skip_different_units_fail_with_one_clear_error_on_every_rank(depths):
+    """Compared as the backward begins (before its prefetches) and at the scope's end. (With prefetch
+    in both phases the forward's own gathers already differ in number here: gloo reports the
+    collective mismatch first; docs/TOLERANT_REPLAY.md.)"""
+    for message, order in spawn(_rank_divergent_skips, *depths, timeout_s=120):
+        assert message is not None and order is None
+        assert "ranks ran different units in iteration 'train'" in message
+        assert "first difference at demand 2: rank 0 has ('blocks.1', 'forward'), rank 1 has ('blocks.2', 'forward')" in message

@@ -40,6 +40,12 @@ CORRECT_SETUPS = [PipelineSetup(schedule=name, reshard_after_forward=False) for 
     for name in SCHEDULES
     if name not in ZERO_BUBBLE_SCHEDULES
     for infer in SHAPES_INFERRED
+] + [
+    # Chunk roots with parameters of their own (a LayerNorm each): prefetched at the scope's start, then
+    # unshard()-ed by the schedule, they must still be kept later (issue 25).
+    PipelineSetup(schedule="ScheduleInterleaved1F1B", root_params=True, infer_shapes=infer)
+    for infer in SHAPES_INFERRED
+    if "ScheduleInterleaved1F1B" in SCHEDULES
 ]
 REUSE_SETUPS = [
     s for s in CORRECT_SETUPS
@@ -93,7 +99,8 @@ def _same_numerics(got: dict, plain: dict) -> None:
 
 
 def _setup_id(s: PipelineSetup) -> str:
-    return f"{s.schedule}-raf{int(s.reshard_after_forward)}-{'inferred' if s.infer_shapes else 'given'}"
+    roots = "-root-params" if s.root_params else ""
+    return f"{s.schedule}-raf{int(s.reshard_after_forward)}-{'inferred' if s.infer_shapes else 'given'}{roots}"
 
 
 def _equals_plain(ranks: list[dict], setup: PipelineSetup, mode: str) -> None:

@@ -207,6 +207,9 @@ class ModelSpec:
     """Blocks sharded with ``reshard_after_forward=False``."""
     reentrant: bool = False
     """Checkpoint ``spans`` with reentrant activation checkpointing (a nested backward per region)."""
+    skips: tuple[tuple[int, ...], ...] = ()
+    """Blocks the data skips at each step (``skips[step]``), alike on every rank: units that run only
+    sometimes, as idle MoE experts or LayerDrop's blocks (tolerant replay, docs/TOLERANT_REPLAY.md)."""
     dim: int = 8
     hidden: int = 16
     rows: int = 4
@@ -256,6 +259,7 @@ def run_schedule(
     (where a test's interference goes).
     """
     losses: dict[int, torch.Tensor] = {}
+    model.skip = set(spec.skips[step % len(spec.skips)]) if spec.skips else set()
     for i, (op, mb) in enumerate(schedule):
         if before_op is not None:
             before_op(i)

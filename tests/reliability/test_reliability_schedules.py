@@ -189,7 +189,8 @@ def _spans(labels: list[int]) -> tuple[tuple[int, int], ...]:
 
 
 @st.composite
-def schedule_examples(draw) -> ScheduleExample:
+def schedule_examples(draw, *, conditional: bool = False) -> ScheduleExample:
+    """``conditional``: some blocks do not run at some steps (see ``ModelSpec.skips``)."""
     n_blocks = draw(st.sampled_from(range(1, 8)))  # plus the root: 2-8 units, drawn evenly
     calls = draw(st.lists(st.integers(0, n_blocks - 1), min_size=1, max_size=10))
     labels = draw(st.lists(st.sampled_from([0, 0, 0, 1, 2]), min_size=len(calls), max_size=len(calls)))
@@ -197,6 +198,9 @@ def schedule_examples(draw) -> ScheduleExample:
     model = ModelSpec(n_blocks=n_blocks, calls=tuple(calls), spans=_spans(labels), keep_unsharded=tuple(sorted(keep)))
     if model.spans and draw(st.booleans()):
         model = replace(model, reentrant=True)
+    if conditional:
+        skips = draw(st.lists(st.sets(st.integers(0, n_blocks - 1), max_size=2), min_size=PROFILE.steps, max_size=PROFILE.steps))
+        model = replace(model, skips=tuple(tuple(sorted(s)) for s in skips))
     schedule = draw(interleavings(draw(st.integers(1, 3))))
     explicit = draw(st.sampled_from([True, True, False]))
     interference = draw(interferences(n_blocks, len(schedule)))
@@ -209,15 +213,17 @@ def schedule_examples(draw) -> ScheduleExample:
     )
 
 
-def draw_examples(n: int) -> list[ScheduleExample]:
-    """``n`` examples, the same on every call with the same seed; depths rotate so all 16 pairs occur."""
+def draw_examples(n: int, *, conditional: bool = False) -> list[ScheduleExample]:
+    """``n`` examples, the same on every call with the same seed; depths rotate so all 16 pairs occur.
+    ``conditional`` examples skip blocks at some steps, drawn apart (another seed) so that the others
+    stay what they were."""
     drawn: list[ScheduleExample] = []
 
-    @seed(SEED)
+    @seed(SEED + conditional)
     @settings(
         max_examples=n, database=None, phases=[Phase.generate], deadline=None, suppress_health_check=list(HealthCheck)
     )
-    @given(schedule_examples())
+    @given(schedule_examples(conditional=conditional))
     def collect(example: ScheduleExample) -> None:
         drawn.append(example)
 
@@ -308,8 +314,8 @@ def _check(ex: ScheduleExample, plain: dict, run: RunConfig, got: dict) -> list[
 def _replays_cleanly(ex: ScheduleExample) -> bool:
     """Schedules whose scopes each see the same demands: explicit scopes, or one F/B pair per scope,
     and no interference that makes a replayed unit need a gather its recording did not."""
-    if not ex.interference.keeps_the_order_replayable:
-        return False
+    if not ex.interference.keeps_the_order_replayable or any(ex.model.skips):
+        return False  # (with skips, tolerant replay's figures are pinned in tests/fake/test_conditional.py)
     if ex.explicit:
         return True
     return all(ex.schedule[i] == ("F", ex.schedule[i + 1][1]) for i in range(0, len(ex.schedule), 2)) and all(
@@ -372,7 +378,9 @@ def _examples() -> list[ScheduleExample]:
         from reliability_harness import ModelSpec  # noqa: F401  (names the repr refers to)
 
         return [eval(one)]  # a repr printed by a failure of this test
-    return draw_examples(PROFILE.schedule_examples)
+    return draw_examples(PROFILE.schedule_examples) + draw_examples(
+        max(1, PROFILE.schedule_examples // 4), conditional=True
+    )
 
 
 def test_random_schedules_are_bitwise_equal_to_plain_fsdp2_and_replay_their_order():
@@ -402,6 +410,7 @@ def test_random_schedules_are_bitwise_equal_to_plain_fsdp2_and_replay_their_orde
             "out_of_order": sum(list(ex.model.calls) != sorted(ex.model.calls) for ex in examples),
             "automatic_scopes": sum(not ex.explicit for ex in examples),
             "reentrant": sum(ex.model.reentrant for ex in examples),
+            "skipping_blocks": sum(any(ex.model.skips) for ex in examples),
             "interference": {
                 "accumulation_toggles": sum(ex.interference.accumulate_on is not None for ex in examples),
                 "is_last_backward_toggles": sum(ex.interference.toggle_last_backward for ex in examples),

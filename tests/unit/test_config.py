@@ -51,3 +51,9 @@ def test_depth_follows_phase():
     config = PrefetchConfig(forward_prefetch=2, backward_prefetch=3)
     depth = Depth(config.forward_prefetch, config.backward_prefetch)  # as the scheduler builds it
     assert depth.of(Phase.forward) == 2 and depth.of(Phase.backward) == 3
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "4"])
+def test_record_steps_below_one_or_not_an_integer_is_rejected(bad):
+    with pytest.raises(ValueError, match=rf"PrefetchConfig.record_steps must be an integer >= 1.*got {bad!r}"):
+        PrefetchConfig(record_steps=bad)

@@ -2,7 +2,18 @@ import weakref
 
 import pytest
 
-from fsdp_replay._order import Cursor, Depth, Entry, ExecutionOrder, Phase, first_difference
+from fsdp_replay._order import (
+    WARN_EVERY,
+    Cursor,
+    Depth,
+    Entry,
+    ExecutionOrder,
+    MergedRecordings,
+    Phase,
+    RecordedOrders,
+    Recording,
+    first_difference,
+)
 from fsdp_replay._units import Unit
 from fsdp_replay.stats import Count, Demand, KeyStats, PrefetchStats
 
@@ -103,7 +114,7 @@ def test_from_state_rejects_malformed_entries():
     (a,), _ = _units("a")
     with pytest.raises(ValueError, match="phase 'sideways'; valid phases are forward, backward, recompute"):
         ExecutionOrder.from_state([("a", "sideways", True, 0)], {"a": a})
-    with pytest.raises(ValueError, match="expected \\(fqn, phase, needs_gather, segment\\)"):
+    with pytest.raises(ValueError, match="expected \\(fqn, phase, needs_gather, segment\\[, share\\]\\)"):
         ExecutionOrder.from_state([("a", "forward")], {"a": a})
 
 
@@ -132,3 +143,54 @@ def test_stats_keep_totals_and_per_key_breakdown():
 def test_counters_name_every_stats_field_and_each_demand_class_its_counter():
     assert [c.value for c in Count] == list(KeyStats().as_dict())
     assert {d: d.counter for d in Demand} == {Demand.hit: Count.hits, Demand.miss: Count.misses, Demand.resident: Count.resident}
+
+
+def _recording(*entries):
+    recording = Recording(units=len(entries))
+    for unit, phase in entries:
+        recording.append(unit, phase, needs_gather=True)
+    return recording
+
+
+def test_merged_recordings_keep_every_entry_once_with_the_share_of_scopes_it_ran_in():
+    (a, b, c, d), _ = _units("a", "b", "c", "d")
+    f = Phase.forward
+    merged = MergedRecordings()
+    for ran in ([a, b, c, d], [a, c, d], [a, b, d], [a, b, c, d]):
+        merged.add(_recording(*[(u, f) for u in ran]))
+    order = merged.order()
+    assert order.as_list() == [("a", "forward"), ("b", "forward"), ("c", "forward"), ("d", "forward")]
+    assert [e.share for e in order.entries] == [1.0, 0.75, 0.75, 1.0] and order.conditional
+
+
+def test_lookahead_passes_rarely_run_entries_and_sometimes_run_ones_take_no_depth_slot():
+    (a, b, c, d, e), _ = _units("a", "b", "c", "d", "e")
+    f = Phase.forward
+    order = ExecutionOrder(
+        [Entry(a, f, True), Entry(b, f, True, share=0.25), Entry(c, f, True, share=0.75), Entry(d, f, True),
+         Entry(e, f, True)]
+    )
+    # From a's position at depth 1: b is rare (not provided for), c takes no slot, d and the one spare.
+    assert [x.unit.fqn for x in order.lookahead(Depth(1, 1))[1].entries] == ["c", "d", "e"]
+    assert [x.unit.fqn for x in ExecutionOrder(order.entries[:1] + order.entries[3:]).lookahead(Depth(1, 1))[1].entries] == ["d", "e"]
+
+
+def test_cursor_finds_a_demand_further_on_in_its_segment_only():
+    (a, b, c), _ = _units("a", "b", "c")
+    order = ExecutionOrder([Entry(a, Phase.forward, True), Entry(b, Phase.forward, True), Entry(c, Phase.backward, True, 1)])
+    cursor = Cursor(order)
+    assert cursor.find(b, Phase.forward) == 1 and cursor.find(c, Phase.backward) is None
+    cursor.end_backward()
+    assert cursor.find(c, Phase.backward) == 2
+
+
+def test_an_order_dropped_again_within_warn_every_scopes_warns_once(caplog):
+    (a,), _ = _units("a")
+    orders = RecordedOrders()
+    with caplog.at_level("INFO", logger="fsdp_replay"):
+        for scope in range(WARN_EVERY + 2):
+            orders.began("train")
+            orders.install("train", _recording((a, Phase.forward)))
+            orders.drop("train", reason=f"drop {scope}")
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 2 and "drop 0" in warnings[0] and f"drop {WARN_EVERY}" in warnings[1]
