@@ -82,7 +82,7 @@ class ScopeLifecycle:
     def _end_scope(self, scope: Scope, *, failure: str | None = None) -> None:
         why = f"the scope failed: {failure}" if failure is not None else "the scope ended before its demand"
         self._stats.count(scope.key, Count.wasted, self._window.release_all(why))
-        self._count_prefetches()
+        self._count_pending()
         self._scope = None
         if failure is not None:
             self._orders.drop(scope.key, reason=failure)
@@ -141,7 +141,7 @@ class ScopeLifecycle:
         scope = self._scope
         if scope is not None and not scope.explicit:
             self._stats.count(scope.key, Count.wasted, self._window.release_all(f"automatic scopes stopped: {reason}"))
-            self._count_prefetches()
+            self._count_pending()
             self._scope = None
             self._finish(scope, f"stopped: {reason}")
         for key in AUTO_KEYS:
@@ -152,14 +152,18 @@ class ScopeLifecycle:
         scope.fall_back(why)
         self._stats.count(scope.key, Count.wasted, self._window.release_all(str(why)))
 
-    def _count_prefetches(self) -> None:
-        """Count the prefetches the window issued (and released one at a time) since the last count,
-        under the open scope's key.
+    def _count_pending(self) -> None:
+        """Count the open scope's demands and the prefetches the window issued (and released one at
+        a time) since the last count, under the open scope's key.
 
         Only strategies prefetch, inside a scope, so counting them when the stats are read and
-        when a scope ends attributes each to its key, at no cost per prefetch.
+        when a scope ends attributes each to its key, at no cost per demand or prefetch.
         """
-        window, key = self._window, self._scope.key if self._scope is not None else None
+        window, scope = self._window, self._scope
+        key = scope.key if scope is not None else None
+        if scope is not None and scope.counted < len(scope.served):
+            self._stats.count_served(key, scope.served[scope.counted :])
+            scope.counted = len(scope.served)
         if window.issued:
             self._stats.count(key, Count.prefetches, window.issued)
             window.issued = 0

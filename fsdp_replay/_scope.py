@@ -22,6 +22,8 @@ from fsdp_replay._window import Held
 from fsdp_replay.stats import Demand, MissReason, Why
 from fsdp_replay.waits import WaitLog
 
+_DEMAND = Event.demand
+"""Read per demand: see [Note: Enum members on the per-demand path] in ``scheduler.py``."""
 _OPENS_SCOPE = Why(MissReason.automatic_scope_start, "it opens the scope, inside the root's forward")
 
 
@@ -38,6 +40,10 @@ class Scope:
     """Automatic scopes: a scope still open at the next root forward failed if its backward began."""
     timeline: Timeline = field(default_factory=Timeline)
     """Its demands and what the window did around them, for ``explain()``."""
+    served: list[Demand] = field(default_factory=list)
+    """How each of its demands so far was served, in order (its length is the next demand's position)."""
+    counted: int = 0
+    """How many of :attr:`served` the scheduler has counted into its stats."""
     demand_only: Why = Why(MissReason.demand_mode)
     """Why the scope prefetches nothing, once it does not: demand mode, or what made it fall back."""
     taken_over: dict[Unit, str] = field(default_factory=dict)
@@ -65,7 +71,7 @@ class Scope:
         mode = self.strategy.mode
         if mode is ScopeMode.demand:
             return self.demand_only
-        if not self.explicit and not self.timeline.demands and mode is not ScopeMode.record:
+        if not self.explicit and not self.served and mode is not ScopeMode.record:
             return _OPENS_SCOPE
         return self.strategy.why_missed(unit, phase)
 
@@ -73,9 +79,9 @@ class Scope:
         """Log a demand in the timeline; returns its position in the scope."""
         if self.taken_over:
             self.taken_over.pop(unit, None)
-        timeline = self.timeline
-        timeline.append((Event.demand, unit, phase, demand, held, why))
-        timeline.demands += 1
+        self.timeline.append((_DEMAND, unit, phase, demand, held, why))
+        served = self.served
+        served.append(demand)
         if self.compare_demands is not None:
             # Where ranks ran different units in forward, the backward's prefetches (provided for
             # the units each ran) would pair different collectives: the ranks compare first, at the
@@ -85,7 +91,7 @@ class Scope:
             elif self._forward_since_compared:
                 self._forward_since_compared = False
                 self.compare_demands()
-        return timeline.demands - 1
+        return len(served) - 1
 
     def demand_list(self) -> list[tuple[str, str]]:
         """Its demands so far, as ``(unit FQN, phase)``."""

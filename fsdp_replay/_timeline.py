@@ -29,12 +29,7 @@ class Event(enum.Enum):
 class Timeline(list):
     """The events of one scope, in the order they happened (tuples led by an :class:`Event`)."""
 
-    __slots__ = ("demands",)
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.demands = 0
-        """Demands appended so far (``Scope.demanded`` counts them): the next demand's position."""
+    __slots__ = ()
 
 
 @dataclass

@@ -50,6 +50,13 @@ logger = logging.getLogger("fsdp_replay")
 _MISS, _DEMAND_MODE, _KEPT = Demand.miss, ScopeMode.demand, Held.kept
 """Read per demand (see the note above)."""
 
+# [Note: counting a scope's demands]
+# A demand's counters (demands, hits, misses, resident, per key and in total) are not bumped as it
+# comes: the scope appends how it was served to ``Scope.served``, and the scheduler counts that
+# list into its stats when they are read and when the scope ends (``_count_pending``), with
+# ``list.count``. Per-demand counting was ~65 of the ~670 Python opcodes a replayed demand ran
+# (sys.settrace opcode count, 16 units, torch 2.13); docs/HOST_COST.md has the whole budget.
+
 
 class PrefetchScheduler(ScopeLifecycle):
     """Schedules FSDP2 unshards for every unit under its roots; create it with :func:`attach`."""
@@ -197,11 +204,13 @@ class PrefetchScheduler(ScopeLifecycle):
     @property
     def stats(self) -> PrefetchStats:
         """Counters since :func:`attach` or the last :meth:`reset_stats`, cumulative and per scope key."""
-        self._count_prefetches()
+        self._count_pending()
         return self._stats
 
     def reset_stats(self) -> None:
         self._window.issued = self._window.wasted = self._window.wasted_bytes = 0
+        if self._scope is not None:
+            self._scope.counted = len(self._scope.served)
         self._stats = PrefetchStats()
 
     def state_dict(self) -> dict[str, Any]:
@@ -304,35 +313,41 @@ class PrefetchScheduler(ScopeLifecycle):
     def on_demand(self, unit: Unit, phase: Phase) -> None:
         """``unit`` needs its parameters now, before FSDP2 acts on the demand."""
         scope = self._scope
-        key = scope.key if scope is not None else None
         demand = _compat.classify_demand(unit.state)
-        self._stats.count_demand(key, demand)
-        missed = demand is _MISS
-        held = self._window.demanded(unit, missed=missed)
-        why = None
-        if missed:
-            why = scope.why_missed(unit, phase, held) if scope is not None else self._automatic.why_no_scope()
-            if held is not None:
-                self._stats.count(key, Count.dropped)
+        held = self._window.demanded(unit, missed=demand is _MISS)
         if scope is None:
-            if why is not None:
-                self._stats.miss_reasons[why.reason] += 1
+            self._demanded_outside_scope(demand, held)
             return
+        why = None
+        if demand is _MISS:
+            why = scope.why_missed(unit, phase, held)
+            if held is not None:
+                self._stats.count(scope.key, Count.dropped)
         position = scope.demanded(unit, phase, demand, held, why)
         if self._waits is not None:
             self._waits.demanded(unit, position)
-        if why is not None and scope.strategy.gathers_misses:
+        strategy = scope.strategy
+        if why is not None and strategy.gathers_misses:
             self._gather_missed(unit, phase)
         divergence = None
-        if scope.strategy.mode is not _DEMAND_MODE:
-            scope.backward_started |= not phase.in_forward
-            divergence = scope.strategy.on_demand(unit, phase, demand)
+        if strategy.mode is not _DEMAND_MODE:
+            if not phase.in_forward:
+                scope.backward_started = True
+            divergence = strategy.on_demand(unit, phase, demand)
         if why is not None:
             if why is OFF_ORDER:  # the strategy said which: it diverged here, or realigned (the prefix rule)
                 why = scope.off_order(divergence)
             self._stats.miss_reasons[why.reason] += 1
         if divergence is not None:
             self._diverge(scope, f"iteration {scope.key!r} {divergence}")
+
+    def _demanded_outside_scope(self, demand: Demand, held: Held | None) -> None:
+        """A demand with no scope open (automatic scopes are off): only counted."""
+        self._stats.count_served(None, [demand])
+        if demand is _MISS:
+            if held is not None:
+                self._stats.count(None, Count.dropped)
+            self._stats.miss_reasons[self._automatic.why_no_scope().reason] += 1
 
     def _gather_missed(self, unit: Unit, phase: Phase) -> None:
         """Issue a missed unit's gather at its demand; with ``measure_waits`` the issue counts as its wait."""

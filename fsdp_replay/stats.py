@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 import enum
 from dataclasses import dataclass, field, fields
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 
 class Count(str, enum.Enum):
@@ -27,10 +27,6 @@ class Count(str, enum.Enum):
     dropped = "dropped"
     divergences = "divergences"
     recordings = "recordings"
-
-
-_DEMANDS = Count.demands.value
-"""Read per demand: see [Note: Enum members on the per-demand path] in ``scheduler.py``."""
 
 
 class Demand(str, enum.Enum):
@@ -51,6 +47,9 @@ class Demand(str, enum.Enum):
     """Sharded with no gather pending: the all-gather is issued at the point of use."""
     resident = "resident", Count.resident
     """Already unsharded: no all-gather is needed."""
+
+
+_DEMANDS_SERVED = tuple(Demand)
 
 
 class MissReason(str, enum.Enum):
@@ -167,15 +166,15 @@ class PrefetchStats(KeyStats):
     miss_reasons: collections.Counter[MissReason] = field(default_factory=collections.Counter)
     """Misses by :class:`MissReason`, every key together (``explain()`` shows them per demand)."""
 
-    def count_demand(self, key: str | None, demand: Demand) -> None:
-        """A demand and how it was served, in one call (this runs once per demand; see ``add``)."""
-        counters, served = self.__dict__, demand.counter
-        counters[_DEMANDS] += 1
-        counters[served] += 1
-        if key is not None:
-            counters = (self.per_key.get(key) or self.per_key.setdefault(key, KeyStats())).__dict__
-            counters[_DEMANDS] += 1
-            counters[served] += 1
+    def count_served(self, key: str | None, served: Sequence[Demand]) -> None:
+        """Demands and how each was served, counted in one go: a scope lists them as they come and
+        the scheduler counts them when the stats are read and when the scope ends, so no demand
+        pays for a counter call (see [Note: counting a scope's demands] in ``scheduler.py``)."""
+        if served:
+            self.count(key, Count.demands, len(served))
+            for demand in _DEMANDS_SERVED:
+                if n := served.count(demand):  # a C loop over the list
+                    self.count(key, demand.counter, n)
 
     def count(self, key: str | None, counter: Count, n: int = 1) -> None:
         """Bump a counter in the totals and, when inside a scope, in that key's breakdown."""

@@ -245,3 +245,34 @@ def test_prefetches_are_counted_under_their_key_whenever_the_stats_are_read(mesh
         run_iteration(model, w, 3)
     handle.remove()
     assert sched.stats.prefetches == sched.stats.per_key["train"].prefetches == per_step - in_forward
+
+
+def test_demands_are_counted_under_their_key_whenever_the_stats_are_read(mesh8):
+    """A scope lists how each demand was served and the stats count that list when read (mid-scope
+    too) or when the scope ends, each demand once; ``reset_stats()`` mid-scope forgets the demands
+    before it (see [Note: counting a scope's demands])."""
+    w = workload("sequential")
+    model = w.make_model().shard(mesh8)
+    sched = attach(model, PrefetchConfig())
+    with sched.iteration("train"):
+        run_iteration(model, w, 0)
+    per_step = sched.stats.demands
+    assert per_step > 0 and sched.stats.per_key["train"].demands == per_step
+    read_after_forward: list[dict[str, int]] = []
+    handle = model.register_forward_hook(lambda *_: read_after_forward.append(sched.stats.as_dict()))
+    with sched.iteration("train"):
+        run_iteration(model, w, 1)
+    handle.remove()
+    in_forward = read_after_forward[0]["demands"] - per_step
+    assert 0 < in_forward < per_step
+    stats = sched.stats
+    assert stats.demands == stats.per_key["train"].demands == 2 * per_step
+    assert stats.demands == stats.hits + stats.misses + stats.resident
+    assert stats.hits == stats.per_key["train"].hits > 0  # the replayed scope's
+    handle = model.register_forward_hook(lambda *_: sched.reset_stats())
+    with sched.iteration("train"):
+        run_iteration(model, w, 2)
+    handle.remove()
+    stats = sched.stats
+    assert stats.demands == stats.per_key["train"].demands == per_step - in_forward
+    assert stats.demands == stats.hits + stats.misses + stats.resident
