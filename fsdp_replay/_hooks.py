@@ -20,6 +20,9 @@ from fsdp_replay._order import Phase
 from fsdp_replay._units import Unit
 from fsdp_replay.waits import DemandWaits
 
+_FORWARD, _RECOMPUTE, _BACKWARD = Phase.forward, Phase.recompute, Phase.backward
+"""Read per demand: see [Note: Enum members on the per-demand path] in ``scheduler.py``."""
+
 # [Note: hook order and the end of backward]
 # A demand must reach the scheduler before FSDP2 acts on it, a scope must open before its first
 # demand, and a backward ends after FSDP2's last reshard of it. Lifecycle point by point:
@@ -190,7 +193,7 @@ class HookSet:
 
     def _on_pre_forward(self, unit: Unit, module: nn.Module, args: Any) -> None:
         if _compat.opens_forward(unit.state):  # not a later module of a grouped unit's same pass
-            self._events.on_demand(unit, Phase.recompute if _compat.in_backward() else Phase.forward)
+            self._events.on_demand(unit, _RECOMPUTE if _compat.in_backward() else _FORWARD)
 
     def _on_forward_output(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
         state = unit.state
@@ -216,7 +219,7 @@ class HookSet:
             # [Note: hook order and the end of backward].
             self._backward_end_queued = True
             _compat.queue_backward_callback(self._requeue_backward_end)
-        self._events.on_demand(unit, Phase.backward)
+        self._events.on_demand(unit, _BACKWARD)
 
     def _requeue_backward_end(self) -> None:
         # After FSDP2's own final callback: see [Note: hook order and the end of backward].

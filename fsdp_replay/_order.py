@@ -48,7 +48,7 @@ class Depth(NamedTuple):
         return self.forward if phase.in_forward else self.backward
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, slots=True)
 class Entry:
     """One demand of a recorded iteration."""
 
@@ -173,6 +173,9 @@ class ExecutionOrder:
         self.likely_start = likely_start
         """Where a first replay starts (``Recording.likely_start``); not kept in checkpoints."""
         self._lookaheads: dict[tuple[Depth, int], tuple[Lookahead, ...]] = {}
+        self.conditional = any(e.share < 1.0 for e in self.entries)
+        """Some entries ran in only some of the recorded scopes: data decides which units run, so
+        with ``check_ranks`` each replayed scope's demands are compared across ranks at its end."""
 
     def lookahead(self, depth: Depth, reuse_distance: int = 0) -> tuple[Lookahead, ...]:
         """Per position, what a refill there may provide for; computed once per depth and distance.
@@ -241,12 +244,6 @@ class ExecutionOrder:
     def digest(self) -> int:
         """A 62-bit fingerprint that ranks compare instead of whole orders."""
         return fingerprint(self.to_state())
-
-    @property
-    def conditional(self) -> bool:
-        """Some entries ran in only some of the recorded scopes: data decides which units run, so
-        with ``check_ranks`` each replayed scope's demands are compared across ranks at its end."""
-        return any(e.share < 1.0 for e in self.entries)
 
 
 WARN_EVERY = 50

@@ -187,7 +187,9 @@ class Replay:
         self._skipped: dict[tuple[Unit, Phase], tuple[int, str]] = {}
         """Entries skipped so far in the scope: the demand that skipped each, and where the order was left there."""
         self._ran: set[Unit] = set()
-        """Units demanded in forward so far: a sometimes-run unit not among them has no backward to provide for."""
+        """Units demanded in forward so far, where the order is conditional: a sometimes-run unit not
+        among them has no backward to provide for."""
+        self._conditional = cursor.order.conditional
         if may_skip_prefix and cursor.order.likely_start:
             self._follow(cursor.order.likely_start, position=0)
 
@@ -198,7 +200,7 @@ class Replay:
     def on_demand(self, unit: Unit, phase: Phase, demand: Demand) -> str | None:
         index = self._demands
         self._demands = index + 1
-        if phase.in_forward:
+        if self._conditional and phase.in_forward:
             self._ran.add(unit)
         if self._seen is not None:
             self._seen.append((unit, phase))
@@ -319,6 +321,7 @@ class Replay:
         ahead = self.cursor.lookahead()
         window = self._window
         holds, standing_of = window.holds, _compat.standing
+        capped = window.max_bytes is not None
         gathers = 0
         self._stop = None
         ran = self._ran
@@ -341,7 +344,7 @@ class Replay:
             if not in_use and not sometimes and gathers >= ahead.gathers:
                 self._stop = (entry, _DEPTH_REACHED)
                 break  # the next demand frees a slot
-            if not window.fits(unit):
+            if capped and not window.fits(unit):
                 self._stop = (entry, _BYTE_CAP)
                 self.capped[not entry.phase.in_forward] = True
                 return  # the next demand frees room; nothing later may jump the queue
@@ -383,9 +386,10 @@ class Static:
         """Whether the byte cap stopped a guess in forward, and in backward (``"auto"`` depth)."""
 
     def on_demand(self, unit: Unit, phase: Phase, demand: Demand) -> None:
-        depth = self._depth.of(phase)
+        forward = phase.in_forward
+        depth = self._depth.forward if forward else self._depth.backward  # Depth.of, without a call per demand
         window = self._window
-        self._guessed = guessed = self._successors[phase.in_forward][unit][:depth]
+        self._guessed = guessed = self._successors[forward][unit][:depth]
         self._stop = None
         for i, successor in enumerate(guessed):
             if len(window) >= depth:
@@ -394,11 +398,11 @@ class Static:
             state = successor.state
             if not _compat.is_sharded_idle(state):
                 continue
-            if not window.fits(successor):
+            if window.max_bytes is not None and not window.fits(successor):
                 self._stop = (guessed[i:], _BYTE_CAP)
-                self.capped[not phase.in_forward] = True
+                self.capped[not forward] = True
                 return
-            window.prefetch(successor, state, backward=not phase.in_forward)
+            window.prefetch(successor, state, backward=not forward)
 
     def end_backward(self) -> None:
         pass

@@ -11,7 +11,7 @@ import torch.nn as nn
 from fsdp_replay import _compat
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Unit:
     """One ``fully_shard`` call's parameter group(s); grouped ``fully_shard([a, b])`` is one unit."""
 

@@ -92,10 +92,10 @@ class PrefetchWindow:
             return False
         if _compat.profiling():
             with _compat.trace("fsdp_replay::prefetch", unit.fqn):
-                _compat.issue_unshard(state, backward=backward)
+                pending = _compat.issue_unshard(state, backward=backward)
         else:  # no context manager per prefetch
-            _compat.issue_unshard(state, backward=backward)
-        if not _compat.is_pending(state):
+            pending = _compat.issue_unshard(state, backward=backward)
+        if not pending:
             return False
         self._held[unit] = _PREFETCHED
         self.issued += 1
@@ -128,7 +128,10 @@ class PrefetchWindow:
         Returns how the window held it. Held although ``missed``: FSDP2 dropped the prefetch
         (when it finalizes a backward).
         """
-        held = self.take(unit)
+        held = self._held.pop(unit, None)  # what take() does, without a second call per demand
+        if held is not None:
+            self._skipped.discard(unit)
+            self._bytes_ahead -= unit.unsharded_bytes
         if missed or held is _PREFETCHED:
             self._gathered.add(unit)  # not a gather someone else left pending: that may predate a step
         return held

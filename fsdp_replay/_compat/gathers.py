@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from fsdp_replay._compat import public
-from fsdp_replay._compat.guard import INTERNALS_OK, TORCH_RELEASE, fsdp_hook_context
+from fsdp_replay._compat.guard import HOOK_CONTEXT, INTERNALS_OK, TORCH_RELEASE, fsdp_hook_context
 from fsdp_replay._compat.state import fsdp_params, fsdp_state, param_groups
 
 if INTERNALS_OK:
@@ -24,17 +24,17 @@ _ON_HOST: dict[torch.device, bool] = {}
 """Whether gathers on a device are host-side (CPU), per device seen."""
 
 
-def issue_unshard(state: Any, *, backward: bool, use_now: bool = False) -> None:
+def issue_unshard(state: Any, *, backward: bool, use_now: bool = False) -> bool:
     """Start the unit's all-gather without waiting; FSDP2's own pre-hook waits at the point of use.
 
     On accelerators FSDP2's prefetch path (training state set, side streams) overlaps best; on CPU
     only ``async_op=True`` lets the gather run beside compute. The caller checks ``may_gather``.
     ``use_now``: a missed demand's gather, whose use starts next (the public fallback keeps no
-    handle of it).
+    handle of it). Returns whether a gather is pending now (FSDP2 leaves none on a world of one).
     """
     if not INTERNALS_OK:
         public.issue_unshard(state, use_now=use_now)
-        return
+        return state in public.pending
     device = state._device
     cpu = _ON_HOST.get(device)
     if cpu is None:
@@ -47,14 +47,23 @@ def issue_unshard(state: Any, *, backward: bool, use_now: bool = False) -> None:
             if (stream := getattr(state._comm_ctx, name, None)) is not None:
                 stream.wait_stream(current)
     training_state = _PRE_BACKWARD if backward else _FORWARD
+    if not HOOK_CONTEXT:  # no empty context manager per gather
+        return _unshard_groups(state, training_state, cpu)
     with fsdp_hook_context():
-        for group in param_groups(state):
-            # What FSDPParamGroup.use_training_state does, without a generator context per gather.
-            saved, group._training_state = group._training_state, training_state
-            try:
-                FSDPParamGroup.unshard(group, async_op=True if cpu else group.unshard_async_op)
-            finally:
-                group._training_state = saved
+        return _unshard_groups(state, training_state, cpu)
+
+
+def _unshard_groups(state: Any, training_state: Any, cpu: bool) -> bool:
+    pending = False
+    for group in param_groups(state):
+        # What FSDPParamGroup.use_training_state does, without a generator context per gather.
+        saved, group._training_state = group._training_state, training_state
+        try:
+            FSDPParamGroup.unshard(group, async_op=True if cpu else group.unshard_async_op)
+        finally:
+            group._training_state = saved
+        pending = pending or group._all_gather_result is not None
+    return pending
 
 
 def release(state: Any) -> None:

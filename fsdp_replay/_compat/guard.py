@@ -58,7 +58,9 @@ else:
 
 _NO_CONTEXT = contextlib.nullcontext()  # stateless, so one instance serves every call
 
-if INTERNALS_OK and getattr(torch.distributed, "_is_spmd_types_available", lambda: False)():
+HOOK_CONTEXT = INTERNALS_OK and getattr(torch.distributed, "_is_spmd_types_available", lambda: False)()
+"""Whether FSDP2 runs its hook bodies in a context (:func:`fsdp_hook_context`) on this torch."""
+if HOOK_CONTEXT:
     fsdp_hook_context = torch.distributed._spmd_no_typecheck
     """torch 2.14+ runs FSDP2's hook bodies outside spmd type checking; the scheduler's gathers too."""
 else:
