@@ -336,7 +336,7 @@ def measure_cpu_cost(cfg: BenchConfig, *, units: int | None = None, steps: int |
 
     The fake backend does all of a step's work on this thread, so its CPU time is the step's cost
     without the time other processes on the machine take; each mode is compared with the plain
-    step of the same round (A B C D E), and the median of those ratios is reported. The fifth,
+    step of the same round (A B C D E, then B C D E A, ...), and the median of those ratios is reported. The fifth,
     ``MEASURE_WAITS``, is ``record_and_replay`` timing its waits for ``explain()``; it is also
     compared with ``record_and_replay`` of the same round (``measure_waits_vs_replay``). No
     contender has the benchmark's wait meter: its cost is not the scheduler's. ``units`` and
@@ -357,7 +357,10 @@ def measure_cpu_cost(cfg: BenchConfig, *, units: int | None = None, steps: int |
             times: dict[str, list[float]] = {c.mode: [] for c in contenders}
             demands = 0
             for step in range(cc.warmup_steps + steps):
-                for c in contenders:
+                # Each round starts with the next contender, so none always runs first (after the
+                # previous round's last) or always right after plain.
+                first = step % len(contenders)
+                for c in contenders[first:] + contenders[:first]:
                     record = timed_step(c, step, None, torch.device("cpu"))
                     if step >= cc.warmup_steps:
                         times[c.mode].append(record["cpu_s"])

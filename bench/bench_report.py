@@ -414,7 +414,7 @@ def render_host_cost(report: dict[str, Any]) -> str:
     parts = _run_lines(report) + [
         f"Fake backend, world size {cc['world_size']}, one thread; units are MLP blocks of dim {cc['dim']}, hidden "
         f"{cc['hidden']}, {cc['rows']} rows. Per unit count: {cc['warmup_steps']} warmup + {cc['scan_steps']} rounds "
-        f"of one step per contender (plain, then each mode); thread CPU time per step; overhead = median over "
+        f"of one step per contender (each round starts one contender later); thread CPU time per step; overhead = median over "
         f"rounds of (contender / plain of the same round) - 1. Run took {report['wall_s']:.0f} s.",
         "",
         host_cost_table(scan),
