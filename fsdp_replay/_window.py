@@ -128,7 +128,7 @@ class PrefetchWindow:
         Returns how the window held it. Held although ``missed``: FSDP2 dropped the prefetch
         (when it finalizes a backward).
         """
-        held = self._held.pop(unit, None)  # what take() does, without a second call per demand
+        held = self._held.pop(unit, None)  # take(), inlined: [Note: trims of the per-demand path]
         if held is not None:
             self._skipped.discard(unit)
             self._bytes_ahead -= unit.unsharded_bytes

@@ -47,7 +47,7 @@ def issue_unshard(state: Any, *, backward: bool, use_now: bool = False) -> bool:
             if (stream := getattr(state._comm_ctx, name, None)) is not None:
                 stream.wait_stream(current)
     training_state = _PRE_BACKWARD if backward else _FORWARD
-    if not HOOK_CONTEXT:  # no empty context manager per gather
+    if not HOOK_CONTEXT:  # no empty context manager per gather: [Note: trims of the per-demand path]
         return _unshard_groups(state, training_state, cpu)
     with fsdp_hook_context():
         return _unshard_groups(state, training_state, cpu)

@@ -135,7 +135,7 @@ def is_resident(state: Any) -> bool:
 
 def is_sharded_idle(state: Any) -> bool:
     """Neither resident nor pending: a use now would have to gather."""
-    if INTERNALS_OK and len(groups := param_groups(state)) == 1:  # the common case, in one call
+    if INTERNALS_OK and len(groups := param_groups(state)) == 1:  # [Note: trims of the per-demand path]
         group = groups[0]
         return group._all_gather_result is None and not group.is_unsharded
     return not is_pending(state) and not is_resident(state)
