@@ -1,1 +1,2 @@
-"""Workloads, a multi-process gloo launcher and an FSDP2-state observer, shared by tests and benchmarks."""
+"""Workloads, a multi-process gloo launcher, an FSDP2-state observer and the bitwise comparison with plain
+FSDP2, shared by tests and benchmarks."""

@@ -8,6 +8,7 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 from fsdp_replay import PrefetchConfig, attach
+from fsdp_replay.testing.compare import assert_trains_like_plain
 from fsdp_replay.testing.distributed import spawn
 from fsdp_replay.testing.workloads import run_iteration, workload
 
@@ -70,12 +71,7 @@ def test_compiled_blocks_add_no_graph_break_to_plain_fsdp2s(compiled_runs, name)
 @pytest.mark.parametrize("name", WORKLOADS)
 def test_compiled_blocks_train_bitwise_like_plain_fsdp2_compiled_alike(compiled_runs, name):
     for rank_result in compiled_runs:
-        plain = rank_result[(name, "plain")]
-        for mode in MODES[1:]:
-            run = rank_result[(name, mode)]
-            assert run["losses"] == plain["losses"], (name, mode)
-            for step, (got, want) in enumerate(zip(run["grads"], plain["grads"])):
-                assert all(torch.equal(g, w) for g, w in zip(got, want)), (name, mode, step)
+        assert_trains_like_plain(rank_result, name, MODES[1:])
 
 
 def test_compiled_blocks_are_still_prefetched_by_replay(compiled_runs):

@@ -11,6 +11,7 @@ import torch
 
 from fsdp_replay import PrefetchConfig, attach
 from fsdp_replay._compat import PUBLIC_API_ENV
+from fsdp_replay.testing.compare import assert_trains_like_plain
 from fsdp_replay.testing.distributed import spawn
 from fsdp_replay.testing.observer import DemandObserver
 from fsdp_replay.testing.workloads import canonical_workloads, run_iteration, workload
@@ -71,12 +72,7 @@ def fallback_runs():
 @pytest.mark.parametrize("name", WORKLOADS)
 def test_every_mode_is_bitwise_equal_to_plain_fsdp2_on_the_public_api(fallback_runs, name):
     for rank_result in fallback_runs:
-        plain = rank_result[(name, "plain")]
-        for mode in MODES[1:]:
-            run = rank_result[(name, mode)]
-            assert run["losses"] == plain["losses"], (name, mode)
-            for got, want in zip(run["grads"], plain["grads"]):
-                assert all(torch.equal(g, w) for g, w in zip(got, want)), (name, mode)
+        assert_trains_like_plain(rank_result, name, MODES[1:])
 
 
 def test_units_are_every_fully_shard_module_with_parameters_in_its_subtree(fallback_runs):

@@ -8,6 +8,7 @@ import torch
 
 from fsdp_replay import attach
 from fsdp_replay.testing.contenders import REUSE, contender_config
+from fsdp_replay.testing.compare import assert_trains_like_plain
 from fsdp_replay.testing.distributed import spawn
 from fsdp_replay.testing.observer import DemandObserver
 from fsdp_replay.testing.workloads import canonical_workloads, conditional_workloads, run_iteration, workload
@@ -74,15 +75,7 @@ def automatic_runs():
 
 def _bitwise_equal_to_plain(results, name):
     for rank_result in results:
-        plain = rank_result[(name, "plain")]
-        for mode in MODES[1:]:
-            run = rank_result[(name, mode)]
-            assert run["losses"] == plain["losses"], (name, mode)
-            for step, (got, want) in enumerate(zip(run["grads"], plain["grads"])):
-                assert all(
-                    (g is None and w is None) or (g is not None and w is not None and torch.equal(g, w))
-                    for g, w in zip(got, want)
-                ), (name, mode, step)
+        assert_trains_like_plain(rank_result, name, MODES[1:])
 
 
 @pytest.mark.parametrize("name", WORKLOADS + CONDITIONAL)

@@ -16,6 +16,7 @@ import torch
 
 from fsdp_replay import _compat, attach
 from fsdp_replay.testing.contenders import AUTO_MEASURED, DEEP_REUSE, contender_config
+from fsdp_replay.testing.compare import assert_trains_like_plain
 from fsdp_replay.testing.distributed import spawn
 from fsdp_replay.testing.observer import DemandObserver
 from fsdp_replay.testing.workloads import canonical_workloads, run_iteration, workload
@@ -68,12 +69,7 @@ def runs() -> dict:
 
 @pytest.mark.parametrize("name", WORKLOADS)
 def test_every_mode_is_bitwise_equal_to_plain_fsdp2_on_cuda(runs, name):
-    plain = runs[(name, "plain")]
-    for contender in CONTENDERS[1:]:
-        run = runs[(name, contender)]
-        assert run["losses"] == plain["losses"], (name, contender)
-        for step, (got, want) in enumerate(zip(run["grads"], plain["grads"])):
-            assert all(torch.equal(g, w) for g, w in zip(got, want)), (name, contender, step)
+    assert_trains_like_plain(runs, name, CONTENDERS[1:])
 
 
 @pytest.mark.skipif(
