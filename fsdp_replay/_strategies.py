@@ -321,7 +321,6 @@ class Replay:
         ahead = self.cursor.lookahead()
         window = self._window
         holds, standing_of = window.holds, _compat.standing
-        capped = window.max_bytes is not None
         gathers = 0
         self._stop = None
         ran = self._ran
@@ -344,7 +343,7 @@ class Replay:
             if not in_use and not sometimes and gathers >= ahead.gathers:
                 self._stop = (entry, _DEPTH_REACHED)
                 break  # the next demand frees a slot
-            if capped and not window.fits(unit):
+            if not window.fits(unit):
                 self._stop = (entry, _BYTE_CAP)
                 self.capped[not entry.phase.in_forward] = True
                 return  # the next demand frees room; nothing later may jump the queue
@@ -387,7 +386,7 @@ class Static:
 
     def on_demand(self, unit: Unit, phase: Phase, demand: Demand) -> None:
         forward = phase.in_forward
-        depth = self._depth.forward if forward else self._depth.backward  # Depth.of, without a call per demand
+        depth = self._depth.of(phase)
         window = self._window
         self._guessed = guessed = self._successors[forward][unit][:depth]
         self._stop = None
@@ -398,7 +397,7 @@ class Static:
             state = successor.state
             if not _compat.is_sharded_idle(state):
                 continue
-            if window.max_bytes is not None and not window.fits(successor):
+            if not window.fits(successor):
                 self._stop = (guessed[i:], _BYTE_CAP)
                 self.capped[not forward] = True
                 return

@@ -128,10 +128,7 @@ class PrefetchWindow:
         Returns how the window held it. Held although ``missed``: FSDP2 dropped the prefetch
         (when it finalizes a backward).
         """
-        held = self._held.pop(unit, None)  # take(), inlined: [Note: trims of the per-demand path]
-        if held is not None:
-            self._skipped.discard(unit)
-            self._bytes_ahead -= unit.unsharded_bytes
+        held = self.take(unit)
         if missed or held is _PREFETCHED:
             self._gathered.add(unit)  # not a gather someone else left pending: that may predate a step
         return held

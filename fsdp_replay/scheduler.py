@@ -61,10 +61,8 @@ _MISS, _DEMAND_MODE, _KEPT = Demand.miss, ScopeMode.demand, Held.kept
 # Measured with ``bench/bench_calls.py --units 16 --steps 1 --opcodes`` (Python opcodes added to
 # plain FSDP2 per demand, exact, torch 2.13): ``issue_unshard`` returns whether its gather is
 # pending instead of a second read, and opens no empty context below torch 2.14 (-13 per replayed
-# demand); ``PrefetchWindow.demanded`` takes the unit out without calling ``take`` (-12); the
-# refill and static skip the byte-cap call when there is no cap; ``is_sharded_idle`` reads a
-# single param group directly (-25 per static demand). Together with the note above: replay
-# 672 -> 553, static 592 -> 452, demand 304 -> 227.
+# demand); ``is_sharded_idle`` reads a single param group directly (-25 per static demand).
+# Together with the note above: replay 672 -> 564, static 592 -> 475, demand 304 -> 235.
 
 
 class PrefetchScheduler(ScopeLifecycle):
