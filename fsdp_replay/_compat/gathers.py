@@ -39,9 +39,10 @@ def issue_unshard(state: Any, *, backward: bool, use_now: bool = False) -> bool:
     cpu = _ON_HOST.get(device)
     if cpu is None:
         cpu = _ON_HOST[device] = device.type == "cpu"  # reading .type costs ~0.25 µs: once per device
-    if not cpu:
-        # Issued outside FSDP2's root pre-forward (e.g. right after optimizer.step()), so the
-        # side streams must first see the current stream's writes to the sharded parameters.
+    if not cpu and not _streams_synced(state):
+        # Issued before FSDP2's root pre-forward (at a scope's start, right after
+        # optimizer.step()): the side streams must first see the current stream's writes to the
+        # sharded parameters. See [Note: stream waits before a gather].
         current = state._device_handle.current_stream()
         for name in ("all_gather_copy_in_stream", "all_gather_stream"):
             if (stream := getattr(state._comm_ctx, name, None)) is not None:
@@ -51,6 +52,24 @@ def issue_unshard(state: Any, *, backward: bool, use_now: bool = False) -> bool:
         return _unshard_groups(state, training_state, cpu)
     with fsdp_hook_context():
         return _unshard_groups(state, training_state, cpu)
+
+
+# [Note: stream waits before a gather]
+# A gather reads the sharded parameters on FSDP2's all-gather streams, so those streams must have
+# waited for the optimizer's writes on the current stream. FSDP2 makes them wait once per forward,
+# in its root pre-forward, and not before a backward gather (a backward follows its forward with
+# no step between; FSDP2 leaves a TODO there). A gather issued inside either pass therefore needs
+# no wait of its own, and waiting again cost two cross-stream waits (an event record and a stream
+# wait each, a few µs of host time on CUDA) per prefetch, which FSDP2's own prefetch never pays.
+# Only a gather issued before the root pre-forward of its root (a scope's first refill, the refill
+# at the root unit's demand, which comes before FSDP2's root pre-forward) waits. Where torch 2.15
+# leaves ``iter_forward_root`` set past a forward (chunked loss), FSDP2's own root pre-forward skips
+# its wait too, so no gather waits less than plain FSDP2's. On CPU nothing waits (host gathers).
+
+
+def _streams_synced(state: Any) -> bool:
+    """FSDP2 made the unit's all-gather streams wait for the current stream in this pass already."""
+    return state._state_ctx.iter_forward_root is not None or torch._C._current_graph_task_id() != -1
 
 
 def _unshard_groups(state: Any, training_state: Any, cpu: bool) -> bool:
