@@ -3,10 +3,9 @@
 A scope begins with its strategy (``_modes.py``) and, when explicit, a first refill; it ends
 completed, failed, diverged or stopped, and then installs or trims the key's recorded order,
 releases what the window still holds, keeps the scope for ``explain()`` and hands its waits to an
-``"auto"`` depth. :class:`ScopeLifecycle` is mixed into
-:class:`~fsdp_replay.scheduler.PrefetchScheduler`, which dispatches the hooks' events
-(``scheduler.py``): the two files split one object's work by concern, the state they share is
-declared below.
+``"auto"`` depth. :class:`~fsdp_replay.scheduler.PrefetchScheduler` holds one
+:class:`ScopeLifecycle` and dispatches the hooks' events (``scheduler.py``); the lifecycle holds
+the open scope, the last finished one of each key and the counters they are counted into.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from fsdp_replay._strategies import Record, Replay, ScopeMode
 from fsdp_replay._timeline import FinishedScope, Timeline
 from fsdp_replay._units import Unit
 from fsdp_replay._window import PrefetchWindow
-from fsdp_replay.config import DivergencePolicy, PrefetchConfig
+from fsdp_replay.config import DivergencePolicy
 from fsdp_replay.stats import Count, MissReason, PrefetchStats, Why
 from fsdp_replay.waits import DemandWaits
 
@@ -36,30 +35,46 @@ class PrefetchDivergenceError(RuntimeError):
 
 
 class ScopeLifecycle:
-    """Scope bookkeeping of :class:`~fsdp_replay.scheduler.PrefetchScheduler` (see the module docstring)."""
+    """The open scope, the last finished scope of each key, and the stats both are counted into."""
 
-    config: PrefetchConfig
-    units: list[Unit]
-    _scope: Scope | None
-    """The open scope, if any."""
-    _finished: dict[str, FinishedScope]
-    """The last finished scope of each key, for ``explain()``."""
-    _stats: PrefetchStats
-    _window: PrefetchWindow
-    _orders: RecordedOrders
-    _depths: AdaptiveDepth
-    _modes: ScopeModes
-    _roots: Roots
-    _automatic: AutomaticScopes
-    _waits: DemandWaits | None
+    def __init__(
+        self,
+        units: list[Unit],
+        *,
+        window: PrefetchWindow,
+        orders: RecordedOrders,
+        depths: AdaptiveDepth,
+        modes: ScopeModes,
+        roots: Roots,
+        automatic: AutomaticScopes,
+        waits: DemandWaits | None,
+        check_ranks: bool,
+        on_divergence: DivergencePolicy,
+    ) -> None:
+        self._units = units
+        self._window = window
+        self._orders = orders
+        self._depths = depths
+        self._modes = modes
+        self._roots = roots
+        self._automatic = automatic
+        self._waits = waits
+        self._check_ranks = check_ranks
+        self._on_divergence = on_divergence
+        self.open: Scope | None = None
+        """The open scope, if any (read per demand)."""
+        self.finished: dict[str, FinishedScope] = {}
+        """The last finished scope of each key, for ``explain()``."""
+        self.stats = PrefetchStats()
+        """Counters since attach or the last :meth:`reset_stats` (count what is pending before reading them)."""
 
-    def _begin_scope(self, key: str, *, explicit: bool, rerecord: bool = False) -> Scope:
+    def begin(self, key: str, *, explicit: bool, rerecord: bool = False) -> Scope:
         scope = Scope(key=key, explicit=explicit, strategy=self._modes.strategy_for(key, rerecord=rerecord))
         strategy = scope.strategy
         # Decided from the order, which every rank shares (it was compared before its first replay).
-        if self.config.check_ranks and isinstance(strategy, Replay) and strategy.cursor.order.conditional:
+        if self._check_ranks and isinstance(strategy, Replay) and strategy.cursor.order.conditional:
             scope.compare_demands = lambda: self._compare_demands(scope)
-        self._scope = scope
+        self.open = scope
         self._window.timeline = scope.timeline
         if self._waits is not None:
             self._waits.take()  # what blocked outside any scope is nobody's demand
@@ -72,18 +87,18 @@ class ScopeLifecycle:
         # demand: that demand gathers at the point of use, and replay starts from there.
         return scope
 
-    def _close_auto_scope(self, scope: Scope) -> None:
+    def close_auto(self, scope: Scope) -> None:
         """An automatic scope still open at the next root forward or optimizer step."""
         if scope.backward_started:
-            self._end_scope(scope, failure="its backward did not finish")
+            self.end(scope, failure="its backward did not finish")
         else:
-            self._end_scope(scope)  # a forward with no backward after it
+            self.end(scope)  # a forward with no backward after it
 
-    def _end_scope(self, scope: Scope, *, failure: str | None = None) -> None:
+    def end(self, scope: Scope, *, failure: str | None = None) -> None:
         why = f"the scope failed: {failure}" if failure is not None else "the scope ended before its demand"
-        self._stats.count(scope.key, Count.wasted, self._window.release_all(why))
-        self._count_pending()
-        self._scope = None
+        self.stats.count(scope.key, Count.wasted, self._window.release_all(why))
+        self.count_pending()
+        self.open = None
         if failure is not None:
             self._orders.drop(scope.key, reason=failure)
             self._finish(scope, f"failed: {failure}", failed=True)
@@ -95,11 +110,11 @@ class ScopeLifecycle:
             if isinstance(strategy, Record):
                 if (entries := strategy.recording.entries) and self._orders.install(scope.key, strategy.recording):
                     self._depths.rerecorded(scope.key)
-                    self._stats.count(scope.key, Count.recordings)
+                    self.stats.count(scope.key, Count.recordings)
                     logger.debug("fsdp_replay: recorded %d demands for iteration %r", len(entries), scope.key)
             elif isinstance(strategy, Replay):
                 if (unfinished := strategy.unfinished()) is not None:
-                    self._diverge(scope, f"iteration {scope.key!r} {unfinished}")
+                    self.diverge(scope, f"iteration {scope.key!r} {unfinished}")
                 elif strategy.skipped_prefix:
                     self._orders.trim(scope.key, strategy.cursor.order)
         finally:  # also when a divergence raises: every rank takes part in the depth's agreement
@@ -113,7 +128,7 @@ class ScopeLifecycle:
             RankMismatchError: they did not; the key's order is dropped on every rank.
         """
         try:
-            check_demands_across_ranks(scope.key, scope.demand_list(), [unit.state for unit in self.units])
+            check_demands_across_ranks(scope.key, scope.demand_list(), [unit.state for unit in self._units])
         except RankMismatchError:
             self._orders.discard_unchecked(scope.key)
             scope.outcome = "failed: the ranks ran different units"
@@ -123,53 +138,61 @@ class ScopeLifecycle:
         """Keep the scope for ``explain()`` (the window's events go to a throwaway timeline until the
         next), and, unless it failed, let its waits decide an ``"auto"`` depth on every rank."""
         waits = self._waits.take() if self._waits is not None else None
-        self._finished[scope.key] = scope.finished(outcome, waits)
+        self.finished[scope.key] = scope.finished(outcome, waits)
         self._window.timeline = Timeline()
         if not failed and self._depths.adaptive:  # reading the waits syncs on CUDA: only where they decide
             self._depths.scope_ended(scope.key, scope.waits_by_phase(waits))
 
-    def _diverge(self, scope: Scope, detail: str) -> None:
-        self._stats.count(scope.key, Count.divergences)
+    def diverge(self, scope: Scope, detail: str) -> None:
+        self.stats.count(scope.key, Count.divergences)
         scope.outcome = f"diverged: {detail}"
-        self._go_demand_only(scope, Why(MissReason.after_divergence, detail))
+        self.go_demand_only(scope, Why(MissReason.after_divergence, detail))
         self._orders.drop(scope.key, reason=detail)
-        if self.config.on_divergence is DivergencePolicy.raise_:
+        if self._on_divergence is DivergencePolicy.raise_:
             raise PrefetchDivergenceError(f"fsdp_replay: {detail} (on_divergence='raise')")
 
-    def _stop_automatic_scopes(self, reason: str) -> None:
+    def stop_automatic(self, reason: str) -> None:
         """No more automatic scopes: their orders are dropped and the open one ends unrecorded."""
-        scope = self._scope
+        scope = self.open
         if scope is not None and not scope.explicit:
-            self._stats.count(scope.key, Count.wasted, self._window.release_all(f"automatic scopes stopped: {reason}"))
-            self._count_pending()
-            self._scope = None
+            self.stats.count(scope.key, Count.wasted, self._window.release_all(f"automatic scopes stopped: {reason}"))
+            self.count_pending()
+            self.open = None
             self._finish(scope, f"stopped: {reason}")
         for key in AUTO_KEYS:
             self._orders.discard_unchecked(key)
         self._automatic.turn_off(reason)
 
-    def _go_demand_only(self, scope: Scope, why: Why) -> None:
+    def go_demand_only(self, scope: Scope, why: Why) -> None:
         scope.fall_back(why)
-        self._stats.count(scope.key, Count.wasted, self._window.release_all(str(why)))
+        self.stats.count(scope.key, Count.wasted, self._window.release_all(str(why)))
 
-    def _count_pending(self) -> None:
+    def reset_stats(self) -> None:
+        """Start the counters afresh: what the window and the open scope did so far is not counted."""
+        window = self._window
+        window.issued = window.wasted = window.wasted_bytes = 0
+        if self.open is not None:
+            self.open.counted = len(self.open.served)
+        self.stats = PrefetchStats()
+
+    def count_pending(self) -> None:
         """Count the open scope's demands and the prefetches the window issued (and released one at
         a time) since the last count, under the open scope's key.
 
         Only strategies prefetch, inside a scope, so counting them when the stats are read and
         when a scope ends attributes each to its key, at no cost per demand or prefetch.
         """
-        window, scope = self._window, self._scope
+        window, scope = self._window, self.open
         key = scope.key if scope is not None else None
         if scope is not None and scope.counted < len(scope.served):
-            self._stats.count_served(key, scope.served[scope.counted :])
+            self.stats.count_served(key, scope.served[scope.counted :])
             scope.counted = len(scope.served)
         if window.issued:
-            self._stats.count(key, Count.prefetches, window.issued)
+            self.stats.count(key, Count.prefetches, window.issued)
             window.issued = 0
         if window.wasted:
-            self._stats.count(key, Count.wasted, window.wasted)
+            self.stats.count(key, Count.wasted, window.wasted)
             window.wasted = 0
         if window.wasted_bytes:
-            self._stats.count(key, Count.wasted_bytes, window.wasted_bytes)
+            self.stats.count(key, Count.wasted_bytes, window.wasted_bytes)
             window.wasted_bytes = 0

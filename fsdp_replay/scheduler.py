@@ -26,10 +26,9 @@ from fsdp_replay._adaptive import AdaptiveDepth
 from fsdp_replay._order import Phase, RecordedOrders
 from fsdp_replay._ranks import RankMismatchError, agree_on_max
 from fsdp_replay._roots import Roots
-from fsdp_replay._scope import OFF_ORDER, Scope
+from fsdp_replay._scope import OFF_ORDER
 from fsdp_replay._modes import ScopeModes
 from fsdp_replay._strategies import Record, ScopeMode, gather_at_demand
-from fsdp_replay._timeline import FinishedScope
 from fsdp_replay._units import Unit
 from fsdp_replay._weak import OptimizerSteps
 from fsdp_replay._window import Held, PrefetchWindow
@@ -53,7 +52,7 @@ _MISS, _DEMAND_MODE, _KEPT = Demand.miss, ScopeMode.demand, Held.kept
 # [Note: counting a scope's demands]
 # A demand's counters (demands, hits, misses, resident, per key and in total) are not bumped as it
 # comes: the scope appends how it was served to ``Scope.served``, and the scheduler counts that
-# list into its stats when they are read and when the scope ends (``_count_pending``), with
+# list into its stats when they are read and when the scope ends (``ScopeLifecycle.count_pending``), with
 # ``list.count``. Per-demand counting was ~65 of the ~670 Python opcodes a replayed demand ran
 # (sys.settrace opcode count, 16 units, torch 2.13); docs/HOST_COST.md has the whole budget.
 
@@ -65,19 +64,17 @@ _MISS, _DEMAND_MODE, _KEPT = Demand.miss, ScopeMode.demand, Held.kept
 # Together with the note above: replay 672 -> 564, static 592 -> 475, demand 304 -> 235.
 
 
-class PrefetchScheduler(ScopeLifecycle):
+class PrefetchScheduler:
     """Schedules FSDP2 unshards for every unit under its roots; create it with :func:`attach`."""
 
     def __init__(self, roots: Sequence[nn.Module], config: PrefetchConfig) -> None:
         self.config = config
-        self._stats = PrefetchStats()
         self._roots = Roots(roots)
         self.units: list[Unit] = self._roots.discover_units()
         if not self.units:
             names = ", ".join(type(root).__name__ for root in roots)
             raise ValueError(f"attach(): no fully_shard unit with parameters under {names}")
         self._orders = RecordedOrders(record_steps=config.record_steps)
-        self._scope: Scope | None = None
         self._depths = AdaptiveDepth(
             config.forward_prefetch, config.backward_prefetch, deepest=len(self.units), agree=self._agree_on_max
         )
@@ -88,7 +85,6 @@ class PrefetchScheduler(ScopeLifecycle):
         can_keep = all([self._hooks.register_unit(unit) for unit in self.units])
         self._window = PrefetchWindow(max_bytes=config.max_prefetch_bytes, can_keep=can_keep)
         self._modes = ScopeModes(config, self.units, self._orders, self._depths, self._window)
-        self._finished: dict[str, FinishedScope] = {}
         measure = config.measure_waits or self._depths.adaptive
         self._waits = DemandWaits(on_host=_compat.device(self.units[0].state).type == "cpu") if measure else None
         if self._waits is not None and not all([self._hooks.time_waits(unit, self._waits) for unit in self.units]):
@@ -97,6 +93,18 @@ class PrefetchScheduler(ScopeLifecycle):
                 "fsdp_replay: measuring waits (measure_waits, or an 'auto' depth) needs FSDP2's internals, which are "
                 "not used on this torch; waits are not measured and an 'auto' depth stays at 1"
             )
+        self._scopes = ScopeLifecycle(
+            self.units,
+            window=self._window,
+            orders=self._orders,
+            depths=self._depths,
+            modes=self._modes,
+            roots=self._roots,
+            automatic=self._automatic,
+            waits=self._waits,
+            check_ranks=config.check_ranks,
+            on_divergence=config.on_divergence,
+        )
         for root in roots:
             self._hooks.register_root(root)
         self._optimizer_steps = OptimizerSteps((p for root in roots for p in root.parameters()), self._on_optimizer_step)
@@ -135,21 +143,22 @@ class PrefetchScheduler(ScopeLifecycle):
             raise RuntimeError("this PrefetchScheduler was detached; attach() a new one")
         if not isinstance(key, str) or not key or key.startswith("auto:"):
             raise ValueError(f"iteration(key=...) must be a non-empty string not starting with 'auto:', got {key!r}")
-        if self._scope is not None and self._scope.explicit:
-            raise RuntimeError(
-                f"iteration(key={key!r}) opened inside iteration(key={self._scope.key!r}); iterations do not "
-                "nest: one iteration() spans one optimizer step, with all its microbatches"
-            )
-        if self._scope is not None:
-            self._close_auto_scope(self._scope)
-        scope = self._begin_scope(key, explicit=True, rerecord=rerecord)
+        scopes = self._scopes
+        if (open_scope := scopes.open) is not None:
+            if open_scope.explicit:
+                raise RuntimeError(
+                    f"iteration(key={key!r}) opened inside iteration(key={open_scope.key!r}); iterations do not "
+                    "nest: one iteration() spans one optimizer step, with all its microbatches"
+                )
+            scopes.close_auto(open_scope)
+        scope = scopes.begin(key, explicit=True, rerecord=rerecord)
         try:
             yield
         except BaseException:
-            self._end_scope(scope, failure="its iteration() block exited with an exception")
+            scopes.end(scope, failure="its iteration() block exited with an exception")
             self._roots.reset_iter_state()
             raise
-        self._end_scope(scope)
+        scopes.end(scope)
 
     def recorded_order(self, key: str) -> list[tuple[str, str]] | None:
         """The recorded order of ``key``.
@@ -173,9 +182,9 @@ class PrefetchScheduler(ScopeLifecycle):
         Raises:
             ValueError: no scope of ``key`` has finished yet (the message lists the keys that have).
         """
-        finished = self._finished.get(key)
+        finished = self._scopes.finished.get(key)
         if finished is None:
-            known = ", ".join(repr(k) for k in self._finished) or "none yet"
+            known = ", ".join(repr(k) for k in self._scopes.finished) or "none yet"
             raise ValueError(f"explain({key!r}): no scope of that key has finished; keys with a finished scope: {known}")
         return build_report(finished)
 
@@ -204,21 +213,18 @@ class PrefetchScheduler(ScopeLifecycle):
         """
         for k in self._orders.keys() if key is None else [key]:
             self._orders.drop(k, reason="invalidate() was called")
-        scope = self._scope
+        scope = self._scopes.open
         if scope is not None and scope.strategy.mode is ScopeMode.replay and scope.key not in self._orders:
-            self._go_demand_only(scope, Why(MissReason.invalidated, "invalidate() dropped the order it replayed"))
+            self._scopes.go_demand_only(scope, Why(MissReason.invalidated, "invalidate() dropped the order it replayed"))
 
     @property
     def stats(self) -> PrefetchStats:
         """Counters since :func:`attach` or the last :meth:`reset_stats`, cumulative and per scope key."""
-        self._count_pending()
-        return self._stats
+        self._scopes.count_pending()
+        return self._scopes.stats
 
     def reset_stats(self) -> None:
-        self._window.issued = self._window.wasted = self._window.wasted_bytes = 0
-        if self._scope is not None:
-            self._scope.counted = len(self._scope.served)
-        self._stats = PrefetchStats()
+        self._scopes.reset_stats()
 
     def state_dict(self) -> dict[str, Any]:
         """The recorded orders, so that a resumed run replays from its first step.
@@ -261,10 +267,10 @@ class PrefetchScheduler(ScopeLifecycle):
         """
         if not self.attached:
             return
-        if self._scope is not None and self._scope.explicit:
-            raise RuntimeError(f"detach() called inside iteration(key={self._scope.key!r}); leave the iteration() block first")
-        if self._scope is not None:
-            self._end_scope(self._scope, failure="the scheduler was detached mid-iteration")
+        if (scope := self._scopes.open) is not None:
+            if scope.explicit:
+                raise RuntimeError(f"detach() called inside iteration(key={scope.key!r}); leave the iteration() block first")
+            self._scopes.end(scope, failure="the scheduler was detached mid-iteration")
         self._window.release_all("detach()")
         self._hooks.remove()
         self._optimizer_steps.remove()
@@ -279,24 +285,25 @@ class PrefetchScheduler(ScopeLifecycle):
     def on_root_pre_forward(self) -> None:
         """A root's forward starts: outside ``iteration()`` it opens an automatic scope."""
         self._roots.check_still_roots()
-        if self._scope is not None and self._scope.explicit:
+        scope = self._scopes.open
+        if scope is not None and scope.explicit:
             return
         if not self._automatic.on:
             self._automatic.say_off()
             return
-        if self._scope is not None:
-            self._close_auto_scope(self._scope)
-        self._begin_scope(automatic_key(), explicit=False)
+        if scope is not None:
+            self._scopes.close_auto(scope)
+        self._scopes.begin(automatic_key(), explicit=False)
 
     def on_root_post_forward(self, *, backward_follows: bool, failed: bool) -> None:
         """The root's forward ended: an automatic scope with no backward to come ends here."""
-        scope = self._scope
+        scope = self._scopes.open
         if scope is None or scope.explicit:
             return
         if failed:
-            self._end_scope(scope, failure="the forward raised an exception")
+            self._scopes.end(scope, failure="the forward raised an exception")
         elif not backward_follows:
-            self._end_scope(scope)  # otherwise the scope ends with its backward
+            self._scopes.end(scope)  # otherwise the scope ends with its backward
 
     def on_backward_end(self, *, finalized_by_caller: bool) -> None:
         """FSDP2's root post-backward callback ran: a segment of the scope ends.
@@ -305,21 +312,21 @@ class PrefetchScheduler(ScopeLifecycle):
         under manual backward finalization: a pipeline stage's doing, whose microbatch backwards
         no automatic scope can delimit.
         """
-        scope = self._scope
+        scope = self._scopes.open
         if finalized_by_caller and (scope is None or not scope.explicit) and self._automatic.on:
-            self._stop_automatic_scopes("its backward is finalized by its caller (as a pipeline stage does)")
+            self._scopes.stop_automatic("its backward is finalized by its caller (as a pipeline stage does)")
             return
         if scope is None:
             return
         scope.strategy.end_backward()
         if not scope.explicit:
-            self._end_scope(scope)
+            self._scopes.end(scope)
         else:
             scope.strategy.provide()
 
     def on_demand(self, unit: Unit, phase: Phase) -> None:
         """``unit`` needs its parameters now, before FSDP2 acts on the demand."""
-        scope = self._scope
+        scope = self._scopes.open
         demand = _compat.classify_demand(unit.state)
         held = self._window.demanded(unit, missed=demand is _MISS)
         if scope is None:
@@ -329,7 +336,7 @@ class PrefetchScheduler(ScopeLifecycle):
         if demand is _MISS:
             why = scope.why_missed(unit, phase, held)
             if held is not None:
-                self._stats.count(scope.key, Count.dropped)
+                self._scopes.stats.count(scope.key, Count.dropped)
         position = scope.demanded(unit, phase, demand, held, why)
         if self._waits is not None:
             self._waits.demanded(unit, position)
@@ -344,17 +351,17 @@ class PrefetchScheduler(ScopeLifecycle):
         if why is not None:
             if why is OFF_ORDER:  # the strategy said which: it diverged here, or realigned (the prefix rule)
                 why = scope.off_order(divergence)
-            self._stats.miss_reasons[why.reason] += 1
+            self._scopes.stats.miss_reasons[why.reason] += 1
         if divergence is not None:
-            self._diverge(scope, f"iteration {scope.key!r} {divergence}")
+            self._scopes.diverge(scope, f"iteration {scope.key!r} {divergence}")
 
     def _demanded_outside_scope(self, demand: Demand, held: Held | None) -> None:
         """A demand with no scope open (automatic scopes are off): only counted."""
-        self._stats.count_served(None, [demand])
+        self._scopes.stats.count_served(None, [demand])
         if demand is _MISS:
             if held is not None:
-                self._stats.count(None, Count.dropped)
-            self._stats.miss_reasons[self._automatic.why_no_scope().reason] += 1
+                self._scopes.stats.count(None, Count.dropped)
+            self._scopes.stats.miss_reasons[self._automatic.why_no_scope().reason] += 1
 
     def _gather_missed(self, unit: Unit, phase: Phase) -> None:
         """Issue a missed unit's gather at its demand; with ``measure_waits`` the issue counts as its wait."""
@@ -370,7 +377,8 @@ class PrefetchScheduler(ScopeLifecycle):
         if self._window.holds(unit) is not _KEPT:
             return False
         if self._window.skip_reshard(unit):
-            self._stats.count(self._scope.key if self._scope is not None else None, Count.kept)
+            scope = self._scopes.open
+            self._scopes.stats.count(scope.key if scope is not None else None, Count.kept)
         return True
 
     def on_other_party(self, unit: Unit, call: _compat.OtherPartyCall) -> None:
@@ -379,7 +387,7 @@ class PrefetchScheduler(ScopeLifecycle):
         FSDP2's ``reshard()`` leaves a pending gather pending; after theirs, plain FSDP2 would have
         none, so the scheduler's own prefetch is finished and freed first.
         """
-        scope = self._scope
+        scope = self._scopes.open
         if call == "reshard" and scope is not None and isinstance(scope.strategy, Record):
             scope.strategy.recording.resharded_by_other(unit)
         gathers_now = call == "unshard" and _compat.is_sharded_idle(unit.state)
@@ -397,16 +405,16 @@ class PrefetchScheduler(ScopeLifecycle):
             return
         if held is Held.prefetched and call == "reshard":
             _compat.release(unit.state)
-        self._stats.count(scope.key if scope is not None else None, Count.dropped)
+        self._scopes.stats.count(scope.key if scope is not None else None, Count.dropped)
 
     def _on_optimizer_step(self) -> None:
         """A step of the roots' parameters is about to run."""
         self._window.step_taken()
-        scope = self._scope
+        scope = self._scopes.open
         if scope is None:
             return
         if not scope.explicit:
-            self._close_auto_scope(scope)
+            self._scopes.close_auto(scope)
         elif len(self._window):
             if not self._warned_step_in_scope:
                 self._warned_step_in_scope = True
@@ -414,7 +422,7 @@ class PrefetchScheduler(ScopeLifecycle):
                     "fsdp_replay: optimizer.step() inside iteration(key=%r) released %d pending prefetches "
                     "(they would run on stale weights); call step() after the iteration() block", scope.key, len(self._window)
                 )
-            self._stats.count(scope.key, Count.wasted, self._window.release_all("optimizer.step() inside iteration()"))
+            self._scopes.stats.count(scope.key, Count.wasted, self._window.release_all("optimizer.step() inside iteration()"))
 
     def _agree_on_max(self, values: list[int]) -> list[int]:
         return agree_on_max(values, [unit.state for unit in self.units])
