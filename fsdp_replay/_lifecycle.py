@@ -116,7 +116,7 @@ class ScopeLifecycle:
                 if (unfinished := strategy.unfinished()) is not None:
                     self.diverge(scope, f"iteration {scope.key!r} {unfinished}")
                 elif strategy.skipped_prefix:
-                    self._orders.trim(scope.key, strategy.cursor.order)
+                    self._orders.trim(scope.key, strategy.followed_order(scope.served))
         finally:  # also when a divergence raises: every rank takes part in the depth's agreement
             self._finish(scope, None)
 

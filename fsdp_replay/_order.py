@@ -206,6 +206,17 @@ class ExecutionOrder:
         first = self.entries[start].segment
         return ExecutionOrder([dataclasses.replace(e, segment=e.segment - first) for e in self.entries[start:]])
 
+    def needing_gathers(self, needed: Sequence[bool]) -> ExecutionOrder:
+        """This order with each entry whose ``needed`` is True marked as needing a gather (one flag
+        per entry); itself where that changes nothing."""
+        if len(needed) != len(self.entries):
+            raise ValueError(f"needing_gathers(): {len(needed)} flags for an order of {len(self.entries)} entries")
+        if not any(n and not e.needs_gather for e, n in zip(self.entries, needed)):
+            return self
+        return ExecutionOrder(
+            [e if e.needs_gather or not n else dataclasses.replace(e, needs_gather=True) for e, n in zip(self.entries, needed)]
+        )
+
     def as_list(self) -> list[tuple[str, str]]:
         return [(e.unit.fqn, e.phase.value) for e in self.entries]
 

@@ -17,7 +17,7 @@ from typing import Protocol, Sequence
 
 from fsdp_replay import _compat
 from fsdp_replay._compat import Standing
-from fsdp_replay._order import Cursor, Depth, Entry, Phase, Recording
+from fsdp_replay._order import Cursor, Depth, Entry, ExecutionOrder, Phase, Recording
 from fsdp_replay._timeline import Event
 from fsdp_replay._units import Unit
 from fsdp_replay._window import Held, PrefetchWindow
@@ -270,6 +270,21 @@ class Replay:
 
     def end_backward(self) -> None:
         self.cursor.end_backward()
+
+    def followed_order(self, served: Sequence[Demand]) -> ExecutionOrder:
+        """The suffix of the recording this first replay followed (the prefix rule), to keep as the key's order.
+
+        ``served``: how each of the scope's demands found its unit. Where the scope ran the suffix
+        exactly, an entry whose demand found its unit sharded (a hit or a miss) needs a gather from
+        now on, even if the recording found the unit unsharded there: the one-off prefix may have
+        left it so (torch 2.11's pipeline stages infer shapes with a forward and reshard nothing
+        after it), which no later scope does. A unit that turns out unsharded after all takes no
+        gather: a refill passes over units already provided.
+        """
+        order = self.cursor.order
+        if self._passed or self._matched != self._demands or len(served) != len(order):
+            return order
+        return order.needing_gathers([demand is not Demand.resident for demand in served])
 
     def why_missed(self, unit: Unit, phase: Phase) -> Why:
         """The latest refill ran at this very position (after the previous demand, or at the end

@@ -194,3 +194,17 @@ def test_an_order_dropped_again_within_warn_every_scopes_warns_once(caplog):
             orders.drop("train", reason=f"drop {scope}")
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 2 and "drop 0" in warnings[0] and f"drop {WARN_EVERY}" in warnings[1]
+
+
+def test_entries_a_scope_found_sharded_need_gathers_from_then_on():
+    (a, b), _ = _units("a", "b")
+    order = ExecutionOrder(
+        [Entry(a, Phase.forward, False), Entry(b, Phase.forward, False), Entry(b, Phase.backward, True, segment=0)]
+    )
+    assert order.needing_gathers([False, False, False]) is order
+    assert order.needing_gathers([False, False, True]) is order  # already needs one: nothing changes
+    marked = order.needing_gathers([True, False, False])
+    assert [e.needs_gather for e in marked.entries] == [True, False, True]
+    assert marked.as_list() == order.as_list() and [e.segment for e in marked.entries] == [0, 0, 0]
+    with pytest.raises(ValueError):
+        order.needing_gathers([True])  # one flag per entry
