@@ -1,10 +1,43 @@
-"""Bitwise comparison of training runs with plain FSDP2's: what every "numerics unchanged" test asserts."""
+"""Training runs compared bitwise with plain FSDP2's: what every "numerics unchanged" test runs and asserts."""
 
 from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
 import torch
+import torch.nn as nn
+
+from fsdp_replay.testing.observer import DemandObserver
+from fsdp_replay.testing.workloads import Workload, run_iteration
+
+
+def train(
+    model: nn.Module, w: Workload, sched: Any, steps: int, *, scoped: bool = True, observer: DemandObserver | None = None
+) -> dict[str, list]:
+    """``steps`` SGD steps of workload ``w`` on the sharded ``model``, each inside
+    ``sched.iteration("train")`` where a scheduler is given and ``scoped`` (else automatic scopes, or
+    plain FSDP2 with ``sched=None``); returns what :func:`assert_trains_like_plain` compares.
+
+    ``{"losses": [...], "grads": [...]}`` per step, gradients as local shards copied to the CPU (None
+    where a parameter got none: data skipped its unit); with ``observer``, also ``"observed"``: what
+    it saw of each step's demands.
+    """
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    run: dict[str, list] = {"losses": [], "grads": [], "observed": []}
+    for step in range(steps):
+        if sched is not None and scoped:
+            with sched.iteration("train"):
+                run["losses"].append(run_iteration(model, w, step))
+        else:
+            run["losses"].append(run_iteration(model, w, step))
+        run["grads"].append([None if p.grad is None else p.grad.to_local().to("cpu", copy=True) for p in model.parameters()])
+        opt.step()
+        opt.zero_grad()
+        if observer is not None:
+            run["observed"].append(observer.take())
+    if observer is None:
+        del run["observed"]
+    return run
 
 
 def assert_trains_like_plain(

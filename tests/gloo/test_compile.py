@@ -8,9 +8,9 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 from fsdp_replay import PrefetchConfig, attach
-from fsdp_replay.testing.compare import assert_trains_like_plain
+from fsdp_replay.testing.compare import assert_trains_like_plain, train
 from fsdp_replay.testing.distributed import spawn
-from fsdp_replay.testing.workloads import run_iteration, workload
+from fsdp_replay.testing.workloads import workload
 
 MODES = ("plain", "demand", "static", "record_and_replay")
 WORKLOADS = ("sequential", "checkpointed")
@@ -28,22 +28,10 @@ def _train_compiled(mesh, name: str, mode: str) -> dict:
         block.compile(backend="aot_eager")
     model.shard(mesh)
     sched = None if mode == "plain" else attach(model, PrefetchConfig(mode=mode))
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    losses, grads = [], []
-    for step in range(STEPS):
-        if sched is None:
-            losses.append(run_iteration(model, w, step))
-        else:
-            with sched.iteration("train"):
-                losses.append(run_iteration(model, w, step))
-        grads.append([p.grad.to_local().clone() for p in model.parameters()])
-        opt.step()
-        opt.zero_grad()
-    return {
+    run = train(model, w, sched, STEPS)
+    return run | {
         "graph_breaks": dict(counters["graph_break"]),
         "graphs": counters["stats"]["unique_graphs"],
-        "losses": losses,
-        "grads": grads,
         "hits": sched.stats.as_dict()["hits"] if sched is not None else None,
     }
 

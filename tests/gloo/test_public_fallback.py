@@ -11,7 +11,7 @@ import torch
 
 from fsdp_replay import PrefetchConfig, attach
 from fsdp_replay._compat import PUBLIC_API_ENV
-from fsdp_replay.testing.compare import assert_trains_like_plain
+from fsdp_replay.testing.compare import assert_trains_like_plain, train
 from fsdp_replay.testing.distributed import spawn
 from fsdp_replay.testing.observer import DemandObserver
 from fsdp_replay.testing.workloads import canonical_workloads, run_iteration, workload
@@ -28,25 +28,12 @@ def _train(mesh, name: str, mode: str) -> dict:
     w = workload(name)
     model = w.make_model().shard(mesh)
     sched = None if mode == "plain" else attach(model, PrefetchConfig(mode=mode))
-    observer = DemandObserver(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    losses, grads = [], []
-    for step in range(STEPS):
-        if sched is not None:
-            with sched.iteration("train"):
-                losses.append(run_iteration(model, w, step))
-        else:
-            losses.append(run_iteration(model, w, step))
-        grads.append([p.grad.to_local().clone() for p in model.parameters()])
-        opt.step()
-        opt.zero_grad()
+    run = train(model, w, sched, STEPS, observer=DemandObserver(model))
     units = [u.fqn for u in sched.units] if sched is not None else None
     if sched is not None:
         sched.detach()
-    return {
-        "losses": losses,
-        "grads": grads,
-        "observed": observer.take(),
+    return run | {
+        "observed": [demand for step in run["observed"] for demand in step],
         "stats": sched.stats.as_dict() if sched else None,
         "units": units,
     }

@@ -4,14 +4,13 @@
 import dataclasses
 
 import pytest
-import torch
 
 from fsdp_replay import attach
 from fsdp_replay.testing.contenders import REUSE, contender_config
-from fsdp_replay.testing.compare import assert_trains_like_plain
+from fsdp_replay.testing.compare import assert_trains_like_plain, train
 from fsdp_replay.testing.distributed import spawn
 from fsdp_replay.testing.observer import DemandObserver
-from fsdp_replay.testing.workloads import canonical_workloads, conditional_workloads, run_iteration, workload
+from fsdp_replay.testing.workloads import canonical_workloads, conditional_workloads, workload
 
 MODES = ("plain", "demand", "static", "record_and_replay", REUSE)
 WORKLOADS = [w.name for w in canonical_workloads()]
@@ -35,24 +34,8 @@ def _train(mesh, name: str, mode: str, explicit_scope: bool) -> dict:
     w = workload(name)
     model = w.make_model().shard(mesh)
     sched = None if mode == "plain" else attach(model, _config(name, mode))
-    observer = DemandObserver(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    losses, grads, seen = [], [], []
-    for step in range(STEPS):
-        if sched is not None and explicit_scope:
-            with sched.iteration("train"):
-                losses.append(run_iteration(model, w, step))
-        else:
-            losses.append(run_iteration(model, w, step))
-        # None where the data skipped the parameter's unit this step (an idle expert, a dropped block)
-        grads.append([p.grad.to_local().clone() if p.grad is not None else None for p in model.parameters()])
-        opt.step()
-        opt.zero_grad()
-        seen.append(observer.take())
-    return {
-        "losses": losses,
-        "grads": grads,
-        "observed": seen,
+    run = train(model, w, sched, STEPS, scoped=explicit_scope, observer=DemandObserver(model))
+    return run | {
         "stats": sched.stats.as_dict() if sched else None,
         "order": sched.recorded_order("train" if explicit_scope else "auto:grad") if sched else None,
     }

@@ -16,7 +16,7 @@ import torch
 
 from fsdp_replay import _compat, attach
 from fsdp_replay.testing.contenders import AUTO_MEASURED, DEEP_REUSE, contender_config
-from fsdp_replay.testing.compare import assert_trains_like_plain
+from fsdp_replay.testing.compare import assert_trains_like_plain, train
 from fsdp_replay.testing.distributed import spawn
 from fsdp_replay.testing.observer import DemandObserver
 from fsdp_replay.testing.workloads import canonical_workloads, run_iteration, workload
@@ -39,22 +39,11 @@ def _train(mesh, name: str, contender: str) -> dict:
     model = w.make_model().shard(mesh)  # fully_shard moves the model to the mesh's GPU
     sched = None if contender == "plain" else attach(model, contender_config(contender))
     observer = DemandObserver(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    losses, grads, observed = [], [], []
-    for step in range(STEPS):
-        if sched is not None:
-            with sched.iteration("train"):
-                losses.append(run_iteration(model, w, step))
-        else:
-            losses.append(run_iteration(model, w, step))
-        grads.append([p.grad.to_local().cpu() for p in model.parameters()])
-        opt.step()
-        opt.zero_grad()
-        observed.append(observer.take())
+    run = train(model, w, sched, STEPS, observer=observer)
     observer.remove()
     if sched is not None:
         sched.detach()
-    return {"losses": losses, "grads": grads, "observed": observed}
+    return run
 
 
 def _every_contender(mesh) -> dict:
