@@ -4,7 +4,7 @@ import logging
 
 import pytest
 import torch
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from fsdp_replay import PrefetchConfig, attach, scheduler_of
 from fsdp_replay.stats import Demand
@@ -94,6 +94,29 @@ def test_a_one_off_prefix_is_skipped_at_the_first_replay(mesh8, mode):
         if step:
             assert all(kind is not Demand.miss for _, _, kind in observed), (step, observed)
             assert len(sched.recorded_order("train")) == len(observed)
+    assert sched.stats.as_dict()["divergences"] == 0 and sched.stats.as_dict()["recordings"] == 1
+
+
+def test_what_a_one_off_prefix_left_unsharded_is_prefetched_in_later_steps(mesh8):
+    """As torch 2.11's pipeline shape inference: a forward only, that nothing reshards after
+    (``reshard_after_forward=False``), so while recording the real forward found every unit resident."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
+    for layer in model:
+        fully_shard(layer, mesh=mesh8, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh8, reshard_after_forward=False)
+    sched = attach(model, PrefetchConfig(mode="record_and_replay"))
+    observer = DemandObserver(model)
+    for step in range(4):
+        with sched.iteration("train"):
+            if step == 0:
+                with torch.no_grad():
+                    model(torch.randn(4, 8))
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+        observed = observer.take()
+        if step >= 1:  # the first replay realigns past the prefix at its first backward demand
+            assert [kind for _, phase, kind in observed if phase == "forward"] == [Demand.hit] * 4, (step, observed)
+    assert len(sched.recorded_order("train")) == 8
     assert sched.stats.as_dict()["divergences"] == 0 and sched.stats.as_dict()["recordings"] == 1
 
 
