@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from fsdp_replay._compat import public
 from fsdp_replay._compat.guard import HOOK_CONTEXT, INTERNALS_OK, TORCH_RELEASE, fsdp_hook_context
-from fsdp_replay._compat.state import fsdp_params, fsdp_state, param_groups
+from fsdp_replay._compat.state import fsdp_params, fsdp_state, in_backward, param_groups
 
 if INTERNALS_OK:
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
@@ -69,7 +69,7 @@ def issue_unshard(state: Any, *, backward: bool, use_now: bool = False) -> bool:
 
 def _streams_synced(state: Any) -> bool:
     """FSDP2 made the unit's all-gather streams wait for the current stream in this pass already."""
-    return state._state_ctx.iter_forward_root is not None or torch._C._current_graph_task_id() != -1
+    return state._state_ctx.iter_forward_root is not None or in_backward()
 
 
 def _unshard_groups(state: Any, training_state: Any, cpu: bool) -> bool:
