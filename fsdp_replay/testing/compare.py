@@ -23,7 +23,7 @@ def train(
     it saw of each step's demands.
     """
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    run: dict[str, list] = {"losses": [], "grads": [], "observed": []}
+    run: dict[str, list] = {"losses": [], "grads": []} | ({"observed": []} if observer is not None else {})
     for step in range(steps):
         if sched is not None and scoped:
             with sched.iteration("train"):
@@ -35,8 +35,6 @@ def train(
         opt.zero_grad()
         if observer is not None:
             run["observed"].append(observer.take())
-    if observer is None:
-        del run["observed"]
     return run
 
 
