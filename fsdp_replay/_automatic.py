@@ -1,6 +1,8 @@
-"""Automatic scopes: outside ``iteration()``, one root forward up to the end of its backward is a scope.
+"""Automatic scopes: outside ``iteration()``, root forwards up to the end of their backwards are a scope.
 
-That needs one root whose backwards autograd ends. With several roots (pipeline chunks), or once
+One forward and its backward, or several forwards before the backwards they wait for (two forwards
+per loss, microbatches interleaved): the scheduler counts them (``Scope.backwards_pending``). That
+needs one root whose backwards autograd ends. With several roots (pipeline chunks), or once
 a root's backward is finalized by its caller (a pipeline stage), microbatches interleave and no
 forward/backward pair delimits an optimizer step: automatic scopes are then off, which is said
 once, with what to do instead.

@@ -33,11 +33,15 @@ class Scope:
 
     key: str
     explicit: bool
-    """Opened by ``iteration()``; an automatic scope spans one root forward and its backward."""
+    """Opened by ``iteration()``; an automatic scope spans root forwards up to the end of their backwards."""
     strategy: Strategy
     """Decides what to provide for after each demand; its ``mode`` is the scope's mode."""
     backward_started: bool = False
-    """Automatic scopes: a scope still open at the next root forward failed if its backward began."""
+    """Automatic scopes: a backward demand came since the last backward ended. A scope still open at
+    the next root forward or optimizer step then failed: its backward did not finish."""
+    backwards_pending: int = 0
+    """Automatic scopes: root forwards whose output may still take a backward, less the backwards
+    that ended. The scope ends when none is left; while some are, a next root forward joins it."""
     timeline: Timeline = field(default_factory=Timeline)
     """Its demands and what the window did around them, for ``explain()``."""
     served: list[Demand] = field(default_factory=list)
@@ -100,7 +104,13 @@ class Scope:
     def other_party(self, unit: Unit, call: _compat.OtherPartyCall, held: Held | None, *, undoes: bool) -> None:
         """Someone else acted on ``unit``: ``held`` is what the window had provided for it, now
         theirs; ``undoes``: a reshard or reset of the unit while it was unsharded or gathering,
-        which the unit's next miss is blamed on."""
+        which the unit's next miss is blamed on.
+
+        ``reset_iter_state()`` recovers from a forward or backward that raised: the backwards this
+        scope's forwards waited for will not come, so a next root forward does not join it.
+        """
+        if call == "reset":
+            self.backwards_pending = 0
         if held is None and not undoes:
             return
         who = _compat.other_party(call)

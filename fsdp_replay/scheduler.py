@@ -291,9 +291,12 @@ class PrefetchScheduler:
         if not self._automatic.on:
             self._automatic.say_off()
             return
+        key = automatic_key()
         if scope is not None:
+            if scope.backwards_pending and not scope.backward_started and scope.key == key:
+                return  # one more forward before their backward (two forwards per loss, microbatches interleaved)
             self._scopes.close_auto(scope)
-        self._scopes.begin(automatic_key(), explicit=False)
+        self._scopes.begin(key, explicit=False)
 
     def on_root_post_forward(self, *, backward_follows: bool, failed: bool) -> None:
         """The root's forward ended: an automatic scope with no backward to come ends here."""
@@ -302,8 +305,10 @@ class PrefetchScheduler:
             return
         if failed:
             self._scopes.end(scope, failure="the forward raised an exception")
-        elif not backward_follows:
-            self._scopes.end(scope)  # otherwise the scope ends with its backward
+            return
+        scope.backwards_pending += backward_follows
+        if not scope.backwards_pending:
+            self._scopes.end(scope)  # otherwise the scope ends with the last backward
 
     def on_backward_end(self, *, finalized_by_caller: bool) -> None:
         """FSDP2's root post-backward callback ran: a segment of the scope ends.
@@ -320,9 +325,12 @@ class PrefetchScheduler:
             return
         scope.strategy.end_backward()
         if not scope.explicit:
-            self._scopes.end(scope)
-        else:
-            scope.strategy.provide()
+            scope.backward_started = False
+            scope.backwards_pending = max(scope.backwards_pending - 1, 0)
+            if not scope.backwards_pending:
+                self._scopes.end(scope)
+                return
+        scope.strategy.provide()
 
     def on_demand(self, unit: Unit, phase: Phase) -> None:
         """``unit`` needs its parameters now, before FSDP2 acts on the demand."""

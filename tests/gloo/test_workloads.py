@@ -4,6 +4,7 @@
 import dataclasses
 
 import pytest
+import torch
 
 from fsdp_replay import attach
 from fsdp_replay.testing.contenders import REUSE, contender_config
@@ -52,8 +53,7 @@ def explicit_runs():
 
 @pytest.fixture(scope="module")
 def automatic_runs():
-    names = [n for n in WORKLOADS if workload(n).schedule == (("F", 0), ("B", 0))]
-    return spawn(_all_modes, names, False, timeout_s=600)
+    return spawn(_all_modes, WORKLOADS, False, timeout_s=600)
 
 
 def _bitwise_equal_to_plain(results, name):
@@ -140,10 +140,48 @@ def test_demand_mode_issues_nothing_ahead(explicit_runs):
             assert all(k != "hit" for observed in run["observed"] for _, _, k in observed)
 
 
-@pytest.mark.parametrize("name", ["sequential", "out_of_order", "shared_block", "checkpointed", "tied_embedding"])
+@pytest.mark.parametrize("name", WORKLOADS)
 def test_automatic_scopes_replay_with_at_most_the_first_demand_missing(automatic_runs, name):
+    """interleaved_1f1b (F0 F1 B0 F2 B1 B2) too: forwards that come before the backwards they wait
+    for join the open scope, so each step is one scope (it was one per forward, each diverging)."""
     _bitwise_equal_to_plain(automatic_runs, name)
     for rank_result in automatic_runs:
         run = rank_result[(name, "record_and_replay")]
+        assert run["stats"]["recordings"] == 1 and run["stats"]["divergences"] == 0, run["stats"]
+        assert [(fqn, phase) for fqn, phase, _ in run["observed"][0]] == run["order"]
+        for observed in run["observed"][1:]:
+            assert {kind for _, _, kind in observed[1:]} <= {"hit", "resident"}, observed
+
+
+def _two_forwards_per_loss(mesh, mode: str) -> dict:
+    """Each step: two root forwards, one backward of their summed losses, outside ``iteration()``."""
+    w = workload("sequential")
+    model = w.make_model().shard(mesh)
+    sched = None if mode == "plain" else attach(model, contender_config(mode))
+    observer = DemandObserver(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    run: dict = {"losses": [], "grads": [], "observed": []}
+    for step in range(STEPS):
+        loss = model(w.make_batch(step, 0)) + model(w.make_batch(step, 1))
+        loss.backward()
+        run["losses"].append(loss.item())
+        run["grads"].append([p.grad.to_local().clone() for p in model.parameters()])
+        opt.step()
+        opt.zero_grad()
+        run["observed"].append(observer.take())
+    return run | {"stats": sched.stats.as_dict() if sched else None}
+
+
+def _two_forwards_all_modes(mesh) -> dict:
+    return {("two_forwards", mode): _two_forwards_per_loss(mesh, mode) for mode in MODES}
+
+
+def test_two_forwards_per_loss_are_one_automatic_scope_replayed_bitwise():
+    """The second forward joins the first's scope; the backward that covers both leaves one forward
+    waiting by the count, and the optimizer step closes the scope as completed."""
+    for rank_result in spawn(_two_forwards_all_modes, timeout_s=300):
+        assert_trains_like_plain(rank_result, "two_forwards", MODES[1:])
+        run = rank_result[("two_forwards", "record_and_replay")]
+        assert run["stats"]["recordings"] == 1 and run["stats"]["divergences"] == 0, run["stats"]
         for observed in run["observed"][1:]:
             assert {kind for _, _, kind in observed[1:]} <= {"hit", "resident"}, observed

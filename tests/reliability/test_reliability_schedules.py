@@ -311,16 +311,26 @@ def _check(ex: ScheduleExample, plain: dict, run: RunConfig, got: dict) -> list[
     return problems
 
 
+def _automatic_scopes(schedule: Schedule) -> list[tuple[str, ...]]:
+    """The passes of each automatic scope of a step: a forward joins the open scope while an earlier
+    forward still waits for its backward, and the scope ends with the last (``Scope.backwards_pending``)."""
+    scopes, passes, pending = [], [], 0
+    for op, _ in schedule:
+        passes.append(op)
+        pending += 1 if op == "F" else -1
+        if not pending:
+            scopes.append(tuple(passes))
+            passes = []
+    return scopes
+
+
 def _replays_cleanly(ex: ScheduleExample) -> bool:
-    """Schedules whose scopes each see the same demands: explicit scopes, or one F/B pair per scope,
-    and no interference that makes a replayed unit need a gather its recording did not."""
+    """Schedules whose scopes each see the same demands: explicit scopes, or automatic scopes that
+    all run the same passes, and no interference that makes a replayed unit need a gather its
+    recording did not."""
     if not ex.interference.keeps_the_order_replayable or any(ex.model.skips):
         return False  # (with skips, tolerant replay's figures are pinned in tests/fake/test_conditional.py)
-    if ex.explicit:
-        return True
-    return all(ex.schedule[i] == ("F", ex.schedule[i + 1][1]) for i in range(0, len(ex.schedule), 2)) and all(
-        op == "B" for op, _ in ex.schedule[1::2]
-    )
+    return ex.explicit or len(set(_automatic_scopes(ex.schedule))) == 1
 
 
 def _check_replay(ex: ScheduleExample, run: RunConfig, got: dict) -> list[str]:
@@ -331,7 +341,7 @@ def _check_replay(ex: ScheduleExample, run: RunConfig, got: dict) -> list[str]:
     order = steps[0]["order"]
     if order is None:
         return [f"{run.label()}: nothing recorded after step 0"]
-    scopes_per_step = 1 if ex.explicit else len(ex.schedule) // 2
+    scopes_per_step = 1 if ex.explicit else len(_automatic_scopes(ex.schedule))
     for step, s in enumerate(steps):
         where = f"{run.label()} step {step}"
         observed = s["observed"]
