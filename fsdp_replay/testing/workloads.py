@@ -118,6 +118,31 @@ class CallSequenceModel(nn.Module):
         return fully_shard(self, mesh=mesh, **kwargs)
 
 
+class NestedBlock(nn.Module):
+    """A pre-norm residual MLP block whose two linears :class:`NestedUnitsModel` shards as units of
+    their own, inside the block's unit (which keeps the norm's parameters)."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.silu(self.up(self.norm(x))))
+
+
+class NestedUnitsModel(CallSequenceModel):
+    """Units inside units: each block's ``up`` and ``down`` are units, and so is the block around
+    them, which is in use (and holds its own parameters) while they run."""
+
+    def shard(self, mesh, **kwargs) -> nn.Module:
+        for block in self.blocks:
+            fully_shard(block.up, mesh=mesh, **kwargs)
+            fully_shard(block.down, mesh=mesh, **kwargs)
+        return super().shard(mesh, **kwargs)
+
+
 class TiedLM(nn.Module):
     """Token embedding and output head sharing one weight, sharded as one grouped unit."""
 
@@ -356,11 +381,29 @@ def conditional_workloads(*, dim: int = 32, hidden: int = 64, n_blocks: int = 4,
     ]
 
 
+def nested_workloads(*, dim: int = 32, hidden: int = 64, n_blocks: int = 4, rows: int = 8) -> list[Workload]:
+    """Workloads whose units nest (:class:`NestedUnitsModel`): the tests run them beside the
+    canonical ones; the benchmark does not."""
+
+    def nested(spans: Sequence[tuple[int, int]] = ()) -> Callable[[], nn.Module]:
+        return _seeded(
+            lambda: NestedUnitsModel(
+                dim=dim, hidden=hidden, n_blocks=n_blocks, calls=range(n_blocks), checkpoint_spans=spans, block=NestedBlock
+            )
+        )
+
+    dense = _dense_batch(dim, rows)
+    return [
+        Workload("nested_units", nested(), dense, notes="up and down units inside each block unit"),
+        Workload("nested_checkpointed", nested([(0, n_blocks)]), dense, notes="nested units, every block recomputed in backward"),
+    ]
+
+
 def workload(name: str, **sizes: Any) -> Workload:
-    """A canonical or conditional workload by name; ``sizes`` as :func:`canonical_workloads` takes them
-    (a ``block`` factory only for the canonical ones)."""
-    conditional = conditional_workloads(**{k: v for k, v in sizes.items() if k != "block"})
-    by_name = {w.name: w for w in canonical_workloads(**sizes) + conditional}
+    """A canonical, conditional or nested workload by name; ``sizes`` as :func:`canonical_workloads`
+    takes them (a ``block`` factory only for the canonical ones)."""
+    others = {k: v for k, v in sizes.items() if k != "block"}
+    by_name = {w.name: w for w in canonical_workloads(**sizes) + conditional_workloads(**others) + nested_workloads(**others)}
     if name not in by_name:
         raise ValueError(f"unknown workload {name!r}; workloads are {', '.join(by_name)}")
     return by_name[name]

@@ -11,11 +11,13 @@ from fsdp_replay.testing.contenders import REUSE, contender_config
 from fsdp_replay.testing.compare import assert_trains_like_plain, train
 from fsdp_replay.testing.distributed import spawn
 from fsdp_replay.testing.observer import DemandObserver
-from fsdp_replay.testing.workloads import canonical_workloads, conditional_workloads, workload
+from fsdp_replay.testing.workloads import canonical_workloads, conditional_workloads, nested_workloads, workload
 
 MODES = ("plain", "demand", "static", "record_and_replay", REUSE)
 WORKLOADS = [w.name for w in canonical_workloads()]
 CONDITIONAL = [w.name for w in conditional_workloads()]
+NESTED = [w.name for w in nested_workloads()]
+"""Units inside units: each block's two linears are units within the block's unit."""
 STEPS = 4
 
 
@@ -48,12 +50,12 @@ def _all_modes(mesh, names, explicit_scope):
 
 @pytest.fixture(scope="module")
 def explicit_runs():
-    return spawn(_all_modes, WORKLOADS + CONDITIONAL, True, timeout_s=600)
+    return spawn(_all_modes, WORKLOADS + CONDITIONAL + NESTED, True, timeout_s=600)
 
 
 @pytest.fixture(scope="module")
 def automatic_runs():
-    return spawn(_all_modes, WORKLOADS, False, timeout_s=600)
+    return spawn(_all_modes, WORKLOADS + NESTED, False, timeout_s=600)
 
 
 def _bitwise_equal_to_plain(results, name):
@@ -61,13 +63,13 @@ def _bitwise_equal_to_plain(results, name):
         assert_trains_like_plain(rank_result, name, MODES[1:])
 
 
-@pytest.mark.parametrize("name", WORKLOADS + CONDITIONAL)
+@pytest.mark.parametrize("name", WORKLOADS + CONDITIONAL + NESTED)
 def test_every_mode_is_bitwise_equal_to_plain_fsdp2(explicit_runs, name):
     _bitwise_equal_to_plain(explicit_runs, name)
 
 
 @pytest.mark.parametrize("mode", ["record_and_replay", REUSE])
-@pytest.mark.parametrize("name", WORKLOADS)
+@pytest.mark.parametrize("name", WORKLOADS + NESTED)
 def test_replay_makes_every_demand_a_hit_or_resident(explicit_runs, name, mode):
     for rank_result in explicit_runs:
         run = rank_result[(name, mode)]
@@ -117,7 +119,7 @@ def _assert_counters_agree_with_the_observer(results, names):
 
 
 def test_counters_agree_with_the_observer_in_explicit_scopes(explicit_runs):
-    _assert_counters_agree_with_the_observer(explicit_runs, WORKLOADS + CONDITIONAL)
+    _assert_counters_agree_with_the_observer(explicit_runs, WORKLOADS + CONDITIONAL + NESTED)
 
 
 def test_counters_agree_with_the_observer_in_automatic_scopes(automatic_runs):
@@ -134,13 +136,13 @@ def test_static_guess_misses_or_wastes_where_order_is_irregular(explicit_runs, n
 
 def test_demand_mode_issues_nothing_ahead(explicit_runs):
     for rank_result in explicit_runs:
-        for name in WORKLOADS + CONDITIONAL:
+        for name in WORKLOADS + CONDITIONAL + NESTED:
             run = rank_result[(name, "demand")]
             assert run["stats"]["prefetches"] == 0 and run["stats"]["hits"] == 0
             assert all(k != "hit" for observed in run["observed"] for _, _, k in observed)
 
 
-@pytest.mark.parametrize("name", WORKLOADS)
+@pytest.mark.parametrize("name", WORKLOADS + NESTED)
 def test_automatic_scopes_replay_with_at_most_the_first_demand_missing(automatic_runs, name):
     """interleaved_1f1b (F0 F1 B0 F2 B1 B2) too: forwards that come before the backwards they wait
     for join the open scope, so each step is one scope (it was one per forward, each diverging)."""
