@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.nn as nn
@@ -11,10 +11,21 @@ from fsdp_replay.testing.observer import DemandObserver
 from fsdp_replay.testing.workloads import Workload, run_iteration
 
 
+Iterate = Callable[[nn.Module, Workload, int], list[float]]
+"""``(model, workload, step) -> losses``: one step's forwards and backwards (default :func:`run_iteration`)."""
+
+
 def train(
-    model: nn.Module, w: Workload, sched: Any, steps: int, *, scoped: bool = True, observer: DemandObserver | None = None
+    model: nn.Module,
+    w: Workload,
+    sched: Any,
+    steps: int,
+    *,
+    scoped: bool = True,
+    observer: DemandObserver | None = None,
+    iterate: Iterate = run_iteration,
 ) -> dict[str, list]:
-    """``steps`` SGD steps of workload ``w`` on the sharded ``model``, each inside
+    """``steps`` SGD steps of workload ``w`` on the sharded ``model``, each ``iterate`` inside
     ``sched.iteration("train")`` where a scheduler is given and ``scoped`` (else automatic scopes, or
     plain FSDP2 with ``sched=None``); returns what :func:`assert_trains_like_plain` compares.
 
@@ -27,9 +38,9 @@ def train(
     for step in range(steps):
         if sched is not None and scoped:
             with sched.iteration("train"):
-                run["losses"].append(run_iteration(model, w, step))
+                run["losses"].append(iterate(model, w, step))
         else:
-            run["losses"].append(run_iteration(model, w, step))
+            run["losses"].append(iterate(model, w, step))
         run["grads"].append([None if p.grad is None else p.grad.to_local().to("cpu", copy=True) for p in model.parameters()])
         opt.step()
         opt.zero_grad()

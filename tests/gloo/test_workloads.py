@@ -4,7 +4,6 @@
 import dataclasses
 
 import pytest
-import torch
 
 from fsdp_replay import attach
 from fsdp_replay.testing.contenders import REUSE, contender_config
@@ -155,27 +154,24 @@ def test_automatic_scopes_replay_with_at_most_the_first_demand_missing(automatic
             assert {kind for _, _, kind in observed[1:]} <= {"hit", "resident"}, observed
 
 
-def _two_forwards_per_loss(mesh, mode: str) -> dict:
-    """Each step: two root forwards, one backward of their summed losses, outside ``iteration()``."""
+def _two_forwards_per_loss(model, w, step: int) -> list[float]:
+    """One step: two root forwards, one backward of their summed losses."""
+    loss = model(w.make_batch(step, 0)) + model(w.make_batch(step, 1))
+    loss.backward()
+    return [loss.item()]
+
+
+def _train_two_forwards_per_loss(mesh, mode: str) -> dict:
+    """Outside ``iteration()``: automatic scopes."""
     w = workload("sequential")
     model = w.make_model().shard(mesh)
     sched = None if mode == "plain" else attach(model, contender_config(mode))
-    observer = DemandObserver(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    run: dict = {"losses": [], "grads": [], "observed": []}
-    for step in range(STEPS):
-        loss = model(w.make_batch(step, 0)) + model(w.make_batch(step, 1))
-        loss.backward()
-        run["losses"].append(loss.item())
-        run["grads"].append([p.grad.to_local().clone() for p in model.parameters()])
-        opt.step()
-        opt.zero_grad()
-        run["observed"].append(observer.take())
+    run = train(model, w, sched, STEPS, scoped=False, observer=DemandObserver(model), iterate=_two_forwards_per_loss)
     return run | {"stats": sched.stats.as_dict() if sched else None}
 
 
 def _two_forwards_all_modes(mesh) -> dict:
-    return {("two_forwards", mode): _two_forwards_per_loss(mesh, mode) for mode in MODES}
+    return {("two_forwards", mode): _train_two_forwards_per_loss(mesh, mode) for mode in MODES}
 
 
 def test_two_forwards_per_loss_are_one_automatic_scope_replayed_bitwise():
