@@ -1,6 +1,7 @@
-"""torch.compile of each block (torchtitan's default) with a scheduler attached: no graph break
-that plain FSDP2 does not have, and the same numerics (see [Note: hooks are opaque to torch.compile]
-in ``fsdp_replay/_hooks.py``). CI runs this file on every torch leg (2.11 to 2.15)."""
+"""torch.compile of each block (torchtitan's default) or of the whole sharded model, with a scheduler
+attached: no graph break that plain FSDP2 does not have, and the same numerics (see [Note: hooks are
+opaque to torch.compile] in ``fsdp_replay/_hooks.py``). CI runs this file on every torch leg (2.11
+to 2.15)."""
 
 import pytest
 import torch
@@ -13,31 +14,40 @@ from fsdp_replay.testing.distributed import spawn
 from fsdp_replay.testing.workloads import workload
 
 MODES = ("plain", "demand", "static", "record_and_replay")
-WORKLOADS = ("sequential", "checkpointed")
+COMPILED = ("blocks", "whole")
+"""Each block compiled before sharding (torchtitan), or the sharded model compiled as a whole, the
+scheduler attached first (Dynamo then meets FSDP2's hooks and fsdp_replay's in one frame)."""
+CASES = ("sequential/blocks", "checkpointed/blocks", "sequential/whole", "shared_block/whole")
+"""Workload/how compiled. Compiled whole, the checkpointed workload captures no graph at all, with
+or without a scheduler, so it shows nothing there."""
 STEPS = 3
 
 
-def _train_compiled(mesh, name: str, mode: str) -> dict:
-    """``mode`` on a model whose blocks are compiled one by one (``aot_eager``: the CPU backend that
-    runs the autograd graph Dynamo captured), counting Dynamo's graph breaks from a fresh cache."""
+def _train_compiled(mesh, case: str, mode: str) -> dict:
+    """``mode`` on a model compiled as ``case`` says (``aot_eager``: the CPU backend that runs the
+    autograd graph Dynamo captured), counting Dynamo's graph breaks from a fresh cache."""
     torch._dynamo.reset()
     counters.clear()
+    name, compiled = case.split("/")
     w = workload(name)
     model = w.make_model()
-    for block in model.blocks:
-        block.compile(backend="aot_eager")
+    if compiled == "blocks":
+        for block in model.blocks:
+            block.compile(backend="aot_eager")
     model.shard(mesh)
     sched = None if mode == "plain" else attach(model, PrefetchConfig(mode=mode))
+    if compiled == "whole":
+        model.compile(backend="aot_eager")
     run = train(model, w, sched, STEPS)
     return run | {
-        "graph_breaks": dict(counters["graph_break"]),
+        "graph_breaks": sum(counters["graph_break"].values()),
         "graphs": counters["stats"]["unique_graphs"],
         "hits": sched.stats.as_dict()["hits"] if sched is not None else None,
     }
 
 
 def _all_modes(mesh) -> dict:
-    return {(name, mode): _train_compiled(mesh, name, mode) for name in WORKLOADS for mode in MODES}
+    return {(case, mode): _train_compiled(mesh, case, mode) for case in CASES for mode in MODES}
 
 
 @pytest.fixture(scope="module")
@@ -45,23 +55,24 @@ def compiled_runs():
     return spawn(_all_modes, timeout_s=600)
 
 
-@pytest.mark.parametrize("name", WORKLOADS)
-def test_compiled_blocks_add_no_graph_break_to_plain_fsdp2s(compiled_runs, name):
+@pytest.mark.parametrize("case", CASES)
+def test_compiling_adds_no_graph_break_to_plain_fsdp2s(compiled_runs, case):
     for rank_result in compiled_runs:
-        plain = rank_result[(name, "plain")]
-        assert plain["graphs"] > 0  # the blocks were compiled at all
+        plain = rank_result[(case, "plain")]
+        assert plain["graphs"] > 0  # something was compiled at all
         for mode in MODES[1:]:
-            run = rank_result[(name, mode)]
-            assert run["graph_breaks"] == plain["graph_breaks"], (name, mode)
-            assert run["graphs"] == plain["graphs"], (name, mode)
+            run = rank_result[(case, mode)]
+            assert run["graph_breaks"] == plain["graph_breaks"], (case, mode)
+            assert run["graphs"] == plain["graphs"], (case, mode)
 
 
-@pytest.mark.parametrize("name", WORKLOADS)
-def test_compiled_blocks_train_bitwise_like_plain_fsdp2_compiled_alike(compiled_runs, name):
+@pytest.mark.parametrize("case", CASES)
+def test_compiled_models_train_bitwise_like_plain_fsdp2_compiled_alike(compiled_runs, case):
     for rank_result in compiled_runs:
-        assert_trains_like_plain(rank_result, name, MODES[1:])
+        assert_trains_like_plain(rank_result, case, MODES[1:])
 
 
-def test_compiled_blocks_are_still_prefetched_by_replay(compiled_runs):
+@pytest.mark.parametrize("compiled", COMPILED)
+def test_compiled_models_are_still_prefetched_by_replay(compiled_runs, compiled):
     for rank_result in compiled_runs:
-        assert rank_result[("sequential", "record_and_replay")]["hits"] > 0
+        assert rank_result[(f"sequential/{compiled}", "record_and_replay")]["hits"] > 0
