@@ -172,8 +172,11 @@ class HookSet:
             # always_call: an automatic scope must learn that its forward raised.
             root.register_forward_hook(_eager(self._on_root_post_forward), always_call=True),
         ]
-        # Any FSDP2 state under the root (with parameters or not) may queue the root callback.
-        for state in dict.fromkeys(filter(None, map(_compat.fsdp_state, root.modules()))):
+        # Any FSDP2 state under the root (with parameters or not) may queue the root callback. Not
+        # filter(None, ...): with the public fallback a state is its module, and a compiled module
+        # (OptimizedModule) raises on bool().
+        states = (state for state in map(_compat.fsdp_state, root.modules()) if state is not None)
+        for state in dict.fromkeys(states):
             self._intercepting = _compat.intercept_backward_end(state, self._on_backward_end)
             self._intercepted_states.append(weakref.ref(state))
 

@@ -1,7 +1,7 @@
 """torch.compile of each block (torchtitan's default) or of the whole sharded model, with a scheduler
 attached: no graph break that plain FSDP2 does not have, and the same numerics (see [Note: hooks are
-opaque to torch.compile] in ``fsdp_replay/_hooks.py``). CI runs this file on every torch leg (2.11
-to 2.15)."""
+opaque to torch.compile] in ``fsdp_replay/_hooks.py``), with FSDP2's internals and on the public-API
+fallback. CI runs this file on every torch leg (2.11 to 2.15)."""
 
 import pytest
 import torch
@@ -9,15 +9,25 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 from fsdp_replay import PrefetchConfig, attach
+from fsdp_replay._compat import PUBLIC_API_ENV
 from fsdp_replay.testing.compare import assert_trains_like_plain, train
 from fsdp_replay.testing.distributed import spawn
 from fsdp_replay.testing.workloads import workload
 
 MODES = ("plain", "demand", "static", "record_and_replay")
-COMPILED = ("blocks", "whole")
-"""Each block compiled before sharding (torchtitan), or the sharded model compiled as a whole, the
-scheduler attached first (Dynamo then meets FSDP2's hooks and fsdp_replay's in one frame)."""
-CASES = ("sequential/blocks", "checkpointed/blocks", "sequential/whole", "shared_block/whole")
+COMPILED = ("blocks", "swapped", "whole")
+"""How the model is compiled: each block in place before sharding (``block.compile()``); each block
+swapped for ``torch.compile(block, fullgraph=True)`` before sharding, so FSDP2 shards the compiled
+wrapper and any graph break raises (torchtitan's ``apply_compile``); or the sharded model as a whole,
+the scheduler attached first (Dynamo then meets FSDP2's hooks and fsdp_replay's in one frame)."""
+CASES = (
+    "sequential/blocks",
+    "checkpointed/blocks",
+    "sequential/swapped",
+    "checkpointed/swapped",
+    "sequential/whole",
+    "shared_block/whole",
+)
 """Workload/how compiled. Compiled whole, the checkpointed workload captures no graph at all, with
 or without a scheduler, so it shows nothing there."""
 STEPS = 3
@@ -34,6 +44,9 @@ def _train_compiled(mesh, case: str, mode: str) -> dict:
     if compiled == "blocks":
         for block in model.blocks:
             block.compile(backend="aot_eager")
+    if compiled == "swapped":
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = torch.compile(block, backend="aot_eager", fullgraph=True)
     model.shard(mesh)
     sched = None if mode == "plain" else attach(model, PrefetchConfig(mode=mode))
     if compiled == "whole":
@@ -50,9 +63,13 @@ def _all_modes(mesh) -> dict:
     return {(case, mode): _train_compiled(mesh, case, mode) for case in CASES for mode in MODES}
 
 
-@pytest.fixture(scope="module")
-def compiled_runs():
-    return spawn(_all_modes, timeout_s=600)
+@pytest.fixture(scope="module", params=[False, True], ids=["internals", "public_api"])
+def compiled_runs(request):
+    """Every case with FSDP2's internals, and again with the public-API fallback forced."""
+    with pytest.MonkeyPatch.context() as patch:
+        if request.param:
+            patch.setenv(PUBLIC_API_ENV, "1")  # read at import by the spawned ranks
+        return spawn(_all_modes, timeout_s=600)
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -45,15 +45,9 @@ def _all(mesh) -> dict:
 
 @pytest.fixture(scope="module")
 def fallback_runs():
-    previous = os.environ.get(PUBLIC_API_ENV)
-    os.environ[PUBLIC_API_ENV] = "1"  # read at import by the spawned ranks
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(PUBLIC_API_ENV, "1")  # read at import by the spawned ranks
         return spawn(_all, timeout_s=600)
-    finally:
-        if previous is None:
-            del os.environ[PUBLIC_API_ENV]
-        else:
-            os.environ[PUBLIC_API_ENV] = previous
 
 
 @pytest.mark.parametrize("name", WORKLOADS)
@@ -112,15 +106,9 @@ def _alive_after_detach(mesh) -> dict:
 
 
 def test_no_module_or_scheduler_outlives_detach_in_any_mode_on_the_public_api():
-    previous = os.environ.get(PUBLIC_API_ENV)
-    os.environ[PUBLIC_API_ENV] = "1"
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(PUBLIC_API_ENV, "1")
         ranks = spawn(_alive_after_detach, timeout_s=300)
-    finally:
-        if previous is None:
-            del os.environ[PUBLIC_API_ENV]
-        else:
-            os.environ[PUBLIC_API_ENV] = previous
     for alive in ranks:
         assert alive == {mode: [False, False] for mode in MODES[1:]}, alive
 
