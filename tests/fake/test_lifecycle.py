@@ -112,9 +112,22 @@ def test_detached_model_behaves_like_plain_fsdp2(mesh8):
     assert logs[0] == logs[1]  # FSDP2's own implicit backward prefetch is back
 
 
-def test_deleting_the_model_frees_it_and_its_scheduler(mesh8):
+@pytest.mark.parametrize(
+    "config",
+    [
+        PrefetchConfig(mode="demand"),
+        PrefetchConfig(mode="static"),
+        PrefetchConfig(),
+        PrefetchConfig(measure_waits=True),
+        PrefetchConfig(forward_prefetch="auto", backward_prefetch="auto"),
+        PrefetchConfig(max_reuse_distance=3),
+        PrefetchConfig(record_steps=3),
+    ],
+    ids=["demand", "static", "record_and_replay", "measure_waits", "auto_depth", "reuse_distance", "record_steps"],
+)
+def test_deleting_the_model_frees_it_and_its_scheduler(mesh8, config):
     w, model = _sharded(mesh8, "shared_block")
-    sched = attach(model)
+    sched = attach(model, config)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(2):
         with sched.iteration("train"):
