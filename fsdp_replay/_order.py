@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import enum
 import hashlib
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Sequence
@@ -115,11 +116,12 @@ class MergedRecordings:
     """The recordings of a key's first ``record_steps`` scopes merged into one order, with how often
     each entry ran.
 
-    Each recording is aligned to the merge so far by their longest matching blocks (``difflib``):
-    a matched entry ran once more, an entry only one side has is kept where it came. A unit that
-    data skips (an idle expert, a dropped layer) is one entry that ran in some of the scopes. The
-    merge depends only on the demands, which every rank runs alike, so ranks merge the same order
-    (and ``check_ranks`` compares it before its first replay, as any recording).
+    Each recording is aligned to the merge so far by their longest matching blocks (``difflib``),
+    stretch by stretch (:func:`_stretches`): a matched entry ran once more, an entry only one side
+    has is kept where it came. A unit that data skips (an idle expert, a dropped layer) is one
+    entry that ran in some of the scopes. The merge depends only on the demands, which every rank
+    runs alike, so ranks merge the same order (and ``check_ranks`` compares it before its first
+    replay, as any recording).
     """
 
     def __init__(self) -> None:
@@ -128,23 +130,50 @@ class MergedRecordings:
         self.scopes = 0
 
     def add(self, recording: Recording) -> None:
+        """Align ``recording`` to the merge so far, stretch by stretch (see :func:`_stretches`)."""
         new = recording.entries
-        mine = [(e.unit, e.phase, e.segment) for e in self._entries]
-        theirs = [(e.unit, e.phase, e.segment) for e in new]
+        mine, theirs = _stretches(self._entries), _stretches(new)
         entries: list[Entry] = []
         runs: list[int] = []
-        for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, mine, theirs, autojunk=False).get_opcodes():
-            entries += self._entries[i1:i2]
-            runs += [r + (tag == "equal") for r in self._runs[i1:i2]]
-            if tag != "equal":
-                entries += new[j1:j2]
-                runs += [1] * (j2 - j1)
+        matcher = difflib.SequenceMatcher(None, [k for k, _, _ in mine], [k for k, _, _ in theirs], autojunk=False)
+        for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+            if tag == "equal":
+                for (_, at, n), (_, their_at, m) in zip(mine[i1:i2], theirs[j1:j2]):
+                    # The new scope ran the stretch's first m entries (one more run each); any more are new.
+                    entries += self._entries[at : at + n] + list(new[their_at + n : their_at + m])
+                    runs += [r + (i < m) for i, r in enumerate(self._runs[at : at + n])] + [1] * (m - n)
+                continue
+            for _, at, n in mine[i1:i2]:
+                entries += self._entries[at : at + n]
+                runs += self._runs[at : at + n]
+            for _, at, m in theirs[j1:j2]:
+                entries += new[at : at + m]
+                runs += [1] * m
         self._entries, self._runs = entries, runs
         self.scopes += 1
 
     def order(self) -> ExecutionOrder:
         scopes = self.scopes
         return ExecutionOrder([dataclasses.replace(e, share=r / scopes) for e, r in zip(self._entries, self._runs)])
+
+
+def _stretches(entries: Sequence[Entry]) -> list[tuple[tuple[Unit, Phase, int], int, int]]:
+    """``(key, start, length)`` of each stretch of consecutive demands of one unit, phase and segment.
+
+    Recordings are aligned stretch by stretch: a scope that demands a unit m times in a row (a
+    block looped a data-dependent number of times) ran the merged stretch's first m entries, as
+    those demands are interchangeable, and the ones other scopes lacked are its last. Aligned
+    demand by demand, ``difflib`` may match them to any of the stretch's entries (often its last
+    ones, as part of a longer block going on past it), so the stretch's first entries would look
+    rarely run and its last ones certain, and the refill would stop short of the entry after it.
+    """
+    stretches = []
+    start = 0
+    for key, stretch in itertools.groupby(entries, key=lambda e: (e.unit, e.phase, e.segment)):
+        length = sum(1 for _ in stretch)
+        stretches.append((key, start, length))
+        start += length
+    return stretches
 
 
 class Lookahead(NamedTuple):

@@ -232,8 +232,7 @@ class LayerDropModel(nn.Module):
         self.p_drop = p_drop
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        seed = hash(tuple(x.flatten()[:4].tolist())) & 0x7FFF_FFFF
-        dropped = torch.rand(len(self.blocks), generator=torch.Generator().manual_seed(seed)) < self.p_drop
+        dropped = torch.rand(len(self.blocks), generator=_seeded_by(x)) < self.p_drop
         x = self.inp(x)
         for block, drop in zip(self.blocks, dropped.tolist()):
             if not drop:
@@ -244,6 +243,38 @@ class LayerDropModel(nn.Module):
         for block in self.blocks:
             fully_shard(block, mesh=mesh, **kwargs)
         return fully_shard(self, mesh=mesh, **kwargs)
+
+
+class LoopedModel(nn.Module):
+    """The middle block called 1 to ``max_loops`` times in a row per forward (a recurrent depth, as
+    adaptive-computation and looped transformers run), the count drawn from the batch like
+    :class:`LayerDropModel`'s, so every rank loops alike."""
+
+    def __init__(self, *, dim: int, hidden: int, n_blocks: int, max_loops: int) -> None:
+        super().__init__()
+        self.inp = nn.Linear(dim, dim)
+        self.blocks = nn.ModuleList(Block(dim, hidden) for _ in range(n_blocks))
+        self.head = nn.Linear(dim, 1)
+        self.max_loops = max_loops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        loops = int(torch.randint(1, self.max_loops + 1, (), generator=_seeded_by(x)))
+        middle = len(self.blocks) // 2
+        x = self.inp(x)
+        for i, block in enumerate(self.blocks):
+            for _ in range(loops if i == middle else 1):
+                x = block(x)
+        return self.head(x).square().mean()
+
+    def shard(self, mesh, **kwargs) -> nn.Module:
+        for block in self.blocks:
+            fully_shard(block, mesh=mesh, **kwargs)
+        return fully_shard(self, mesh=mesh, **kwargs)
+
+
+def _seeded_by(x: torch.Tensor) -> torch.Generator:
+    """A generator seeded from the batch, which every rank holds identically."""
+    return torch.Generator().manual_seed(hash(tuple(x.flatten()[:4].tolist())) & 0x7FFF_FFFF)
 
 
 @dataclass(frozen=True)
@@ -376,6 +407,13 @@ def conditional_workloads(*, dim: int = 32, hidden: int = 64, n_blocks: int = 4,
             _seeded(lambda: LayerDropModel(dim=dim, hidden=hidden, n_blocks=2 * n_blocks, p_drop=0.05)),
             dense,
             notes="each block skipped with probability 0.05 per forward, the same on every rank",
+            record_steps=4,
+        ),
+        Workload(
+            "looped_block",
+            _seeded(lambda: LoopedModel(dim=dim, hidden=hidden, n_blocks=n_blocks, max_loops=3)),
+            dense,
+            notes="the middle block called 1 to 3 times in a row per forward, the same on every rank",
             record_steps=4,
         ),
     ]

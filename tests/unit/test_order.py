@@ -163,6 +163,24 @@ def test_merged_recordings_keep_every_entry_once_with_the_share_of_scopes_it_ran
     assert [e.share for e in order.entries] == [1.0, 0.75, 0.75, 1.0] and order.conditional
 
 
+def test_a_unit_demanded_a_varying_number_of_times_in_a_row_counts_its_first_demands_most():
+    """A block looped 3, 3, 5 and 2 times: the stretch's first two entries ran in every scope, its
+    last two in one. difflib alone matches the 5-loop's extra demands to the stretch's first
+    entries in forward (part of a longer block running into the backward), which made them look
+    rare and stopped the refill before the unit after the loop."""
+    (a, b, c), _ = _units("a", "b", "c")
+    f, bw = Phase.forward, Phase.backward
+    merged = MergedRecordings()
+    for loops in (3, 3, 5, 2):
+        merged.add(_recording(*([(a, f)] + [(b, f)] * loops + [(c, f), (c, bw)] + [(b, bw)] * loops + [(a, bw)])))
+    order = merged.order()
+    stretches = [[e.share for e in order.entries if e.unit is b and e.phase is phase] for phase in (f, bw)]
+    assert stretches == [[1.0, 1.0, 0.75, 0.25, 0.25]] * 2
+    # After three loops, the refill passes the two rare entries and provides for c.
+    after_third = [e.unit.fqn for e in order.lookahead(Depth(1, 1))[4].entries]
+    assert after_third[0] == "c"
+
+
 def test_lookahead_passes_rarely_run_entries_and_sometimes_run_ones_take_no_depth_slot():
     (a, b, c, d, e), _ = _units("a", "b", "c", "d", "e")
     f = Phase.forward
