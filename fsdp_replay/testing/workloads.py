@@ -217,7 +217,7 @@ class MoEModel(nn.Module):
         return fully_shard(self, mesh=mesh, **kwargs)
 
 
-class LayerDropModel(nn.Module):
+class LayerDropModel(CallSequenceModel):
     """Blocks each skipped with probability ``p_drop`` per forward (LayerDrop / stochastic depth).
 
     The draw is seeded from the batch, which every rank holds identically (``Workload.make_batch``
@@ -225,51 +225,29 @@ class LayerDropModel(nn.Module):
     """
 
     def __init__(self, *, dim: int, hidden: int, n_blocks: int, p_drop: float) -> None:
-        super().__init__()
-        self.inp = nn.Linear(dim, dim)
-        self.blocks = nn.ModuleList(Block(dim, hidden) for _ in range(n_blocks))
-        self.head = nn.Linear(dim, 1)
+        super().__init__(dim=dim, hidden=hidden, n_blocks=n_blocks, calls=range(n_blocks))
         self.p_drop = p_drop
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dropped = torch.rand(len(self.blocks), generator=_seeded_by(x)) < self.p_drop
-        x = self.inp(x)
-        for block, drop in zip(self.blocks, dropped.tolist()):
-            if not drop:
-                x = block(x)
-        return self.head(x).square().mean()
-
-    def shard(self, mesh, **kwargs) -> nn.Module:
-        for block in self.blocks:
-            fully_shard(block, mesh=mesh, **kwargs)
-        return fully_shard(self, mesh=mesh, **kwargs)
+        self.skip = {i for i, drop in enumerate(dropped.tolist()) if drop}
+        return super().forward(x)
 
 
-class LoopedModel(nn.Module):
+class LoopedModel(CallSequenceModel):
     """The middle block called 1 to ``max_loops`` times in a row per forward (a recurrent depth, as
     adaptive-computation and looped transformers run), the count drawn from the batch like
     :class:`LayerDropModel`'s, so every rank loops alike."""
 
     def __init__(self, *, dim: int, hidden: int, n_blocks: int, max_loops: int) -> None:
-        super().__init__()
-        self.inp = nn.Linear(dim, dim)
-        self.blocks = nn.ModuleList(Block(dim, hidden) for _ in range(n_blocks))
-        self.head = nn.Linear(dim, 1)
+        super().__init__(dim=dim, hidden=hidden, n_blocks=n_blocks, calls=range(n_blocks))
         self.max_loops = max_loops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         loops = int(torch.randint(1, self.max_loops + 1, (), generator=_seeded_by(x)))
         middle = len(self.blocks) // 2
-        x = self.inp(x)
-        for i, block in enumerate(self.blocks):
-            for _ in range(loops if i == middle else 1):
-                x = block(x)
-        return self.head(x).square().mean()
-
-    def shard(self, mesh, **kwargs) -> nn.Module:
-        for block in self.blocks:
-            fully_shard(block, mesh=mesh, **kwargs)
-        return fully_shard(self, mesh=mesh, **kwargs)
+        self.calls = [*range(middle), *[middle] * loops, *range(middle + 1, len(self.blocks))]
+        return super().forward(x)
 
 
 def _seeded_by(x: torch.Tensor) -> torch.Generator:
