@@ -140,7 +140,7 @@ class MergedRecordings:
             if tag == "equal":
                 for (_, at, n), (_, their_at, m) in zip(mine[i1:i2], theirs[j1:j2]):
                     # The new scope ran the stretch's first m entries (one more run each); any more are new.
-                    entries += self._entries[at : at + n] + list(new[their_at + n : their_at + m])
+                    entries += self._entries[at : at + n] + new[their_at + n : their_at + m]
                     runs += [r + (i < m) for i, r in enumerate(self._runs[at : at + n])] + [1] * (m - n)
                 continue
             for _, at, n in mine[i1:i2]:

@@ -44,7 +44,7 @@ def _train_compiled(mesh, case: str, mode: str) -> dict:
     if compiled == "blocks":
         for block in model.blocks:
             block.compile(backend="aot_eager")
-    if compiled == "swapped":
+    elif compiled == "swapped":
         for i, block in enumerate(model.blocks):
             model.blocks[i] = torch.compile(block, backend="aot_eager", fullgraph=True)
     model.shard(mesh)

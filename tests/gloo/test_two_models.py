@@ -8,40 +8,31 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.fsdp import fully_shard
 
 from fsdp_replay import attach
 from fsdp_replay.testing.compare import assert_trains_like_plain
 from fsdp_replay.testing.contenders import REUSE, contender_config
 from fsdp_replay.testing.distributed import spawn
-from fsdp_replay.testing.internals import gather_pending, param_groups
-from fsdp_replay.testing.observer import fsdp_units
-from fsdp_replay.testing.workloads import Block
+from fsdp_replay.testing.observer import held_units
+from fsdp_replay.testing.workloads import CallSequenceModel
 
 MODES = ("plain", "demand", "static", "record_and_replay", REUSE)
 STEPS = 5
 DIM = 16
 
 
-class Net(nn.Module):
-    """An input projection and four blocks, each a unit; with ``head``, one logit per row."""
+class Net(CallSequenceModel):
+    """An input projection and four blocks, each a unit; with ``head``, one logit per row, else the
+    blocks' output (a generator's)."""
 
     def __init__(self, *, head: bool) -> None:
-        super().__init__()
-        self.inp = nn.Linear(DIM, DIM)
-        self.blocks = nn.ModuleList(Block(DIM, 2 * DIM) for _ in range(4))
-        self.head = nn.Linear(DIM, 1) if head else None
+        super().__init__(dim=DIM, hidden=2 * DIM, n_blocks=4, calls=range(4))
+        if not head:
+            self.head = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.inp(x)
-        for block in self.blocks:
-            x = block(x)
+        x = self._run(self.inp(x), 0, len(self.calls))
         return x if self.head is None else self.head(x)
-
-    def shard(self, mesh) -> nn.Module:
-        for block in self.blocks:
-            fully_shard(block, mesh=mesh)
-        return fully_shard(self, mesh=mesh)
 
 
 def _batch(step: int, i: int) -> torch.Tensor:
@@ -115,24 +106,17 @@ def _distill_step(student, teacher, scheds, opt_student, _opt_teacher, step: int
 LOOPS = {"gan": _gan_step, "distill": _distill_step}
 
 
-def _fsdp_state(models) -> tuple:
-    """Gathers pending, and which units are unsharded, after a step."""
-    units = [unit for model in models for unit in fsdp_units(model).values()]
-    pending = sum(gather_pending(group) for unit in units for group in param_groups(unit))
-    return pending, [i for i, unit in enumerate(units) for group in param_groups(unit) if group.is_unsharded]
-
-
 def _train(mesh, loop: str, mode: str, explicit: bool) -> dict:
     torch.manual_seed(0)
     first, second = Net(head=False).shard(mesh), Net(head=True).shard(mesh)
     scheds = (None, None) if mode == "plain" else (attach(first, contender_config(mode)), attach(second, contender_config(mode)))
     opts = [torch.optim.SGD(model.parameters(), lr=0.05) for model in (first, second)]
-    run: dict[str, list] = {"losses": [], "grads": [], "fsdp": [], "misses": []}
+    run: dict[str, list] = {"losses": [], "grads": [], "held": [], "misses": []}
     for step in range(STEPS):
         losses, grads = LOOPS[loop](first, second, scheds, *opts, step, explicit)
         run["losses"].append(losses)
         run["grads"].append(grads)
-        run["fsdp"].append(_fsdp_state((first, second)))
+        run["held"].append([held_units(first), held_units(second)])
         run["misses"].append([s.stats.misses for s in scheds] if scheds[0] is not None else None)
     run["params"] = [_local(p) for model in (first, second) for p in model.parameters()]
     run["stats"] = [s.stats.as_dict() for s in scheds] if scheds[0] is not None else None
@@ -150,7 +134,7 @@ def runs(request):
 
 @pytest.mark.parametrize("loop", LOOPS)
 def test_every_mode_trains_both_models_bitwise_like_plain_fsdp2(runs, loop):
-    """Losses, both models' gradients and parameters, and what FSDP2 holds after each step."""
+    """Losses, both models' gradients and parameters, and the units FSDP2 holds after each step."""
     _, results = runs
     for rank_result in results:
         assert_trains_like_plain(rank_result, loop, MODES[1:])
@@ -158,7 +142,7 @@ def test_every_mode_trains_both_models_bitwise_like_plain_fsdp2(runs, loop):
         assert all(any(g is not None for g in grads) for grads in want["grads"])
         for mode in MODES[1:]:
             got = rank_result[(loop, mode)]
-            assert got["fsdp"] == want["fsdp"], (loop, mode)
+            assert got["held"] == want["held"], (loop, mode)
             assert all(torch.equal(g, w) for g, w in zip(got["params"], want["params"])), (loop, mode)
 
 
