@@ -91,6 +91,8 @@ class ScopeLifecycle:
         """An automatic scope still open at the next root forward or optimizer step."""
         if scope.backward_started:
             self.end(scope, failure="its backward did not finish")
+        elif scope.reset:
+            self.end(scope, failure="reset_iter_state() was called in it")
         else:
             self.end(scope)  # a forward with no backward after it
 

@@ -42,6 +42,10 @@ class Scope:
     backwards_pending: int = 0
     """Automatic scopes: root forwards whose output may still take a backward, less the backwards
     that ended. The scope ends when none is left; while some are, a next root forward joins it."""
+    reset: bool = False
+    """Automatic scopes: ``reset_iter_state()`` was called in it, FSDP2's recovery from a step that
+    raised (in a loss, say, which no hook sees). It ends failed at the next root forward or
+    optimizer step, as an ``iteration()`` that raised does, not as a scope that stopped short."""
     timeline: Timeline = field(default_factory=Timeline)
     """Its demands and what the window did around them, for ``explain()``."""
     served: list[Demand] = field(default_factory=list)
@@ -111,6 +115,7 @@ class Scope:
         """
         if call == "reset":
             self.backwards_pending = 0
+            self.reset = True
         if held is None and not undoes:
             return
         who = _compat.other_party(call)
