@@ -115,7 +115,8 @@ class ScopeLifecycle:
                     self.stats.count(scope.key, Count.recordings)
                     logger.debug("fsdp_replay: recorded %d demands for iteration %r", len(entries), scope.key)
             elif isinstance(strategy, Replay):
-                if (unfinished := strategy.unfinished()) is not None:
+                short_again = self._orders.replay_ended(scope.key, short=strategy.stopped_short)
+                if (unfinished := strategy.unfinished(may_stop_short=not short_again)) is not None:
                     self.diverge(scope, f"iteration {scope.key!r} {unfinished}")
                 elif strategy.skipped_prefix:
                     self._orders.trim(scope.key, strategy.followed_order(scope.served))

@@ -306,6 +306,8 @@ class RecordedOrders:
         """Scopes begun per key (see :meth:`began`)."""
         self._warned_at: dict[str, int] = {}
         """The key's scope count when a drop of its order was last logged as a warning."""
+        self._stopped_short: set[str] = set()
+        """Keys whose latest replayed scope stopped short of the order (see :meth:`replay_ended`)."""
 
     def began(self, key: str) -> None:
         """A scope of ``key`` begins (what the divergence warning's rate counts)."""
@@ -340,6 +342,7 @@ class RecordedOrders:
         self._orders[key] = order
         self._checked.discard(key)
         self._unreplayed.add(key)
+        self._stopped_short.discard(key)
         return True
 
     def first_replay(self, key: str) -> bool:
@@ -351,6 +354,16 @@ class RecordedOrders:
         first = key in self._unreplayed
         self._unreplayed.discard(key)
         return first
+
+    def replay_ended(self, key: str, *, short: bool) -> bool:
+        """A replayed scope of ``key`` ended, ``short`` of its order or not; returns whether the
+        key's replayed scope before it stopped short too (see [Note: a scope that stops short])."""
+        again = short and key in self._stopped_short
+        if short:
+            self._stopped_short.add(key)
+        else:
+            self._stopped_short.discard(key)
+        return again
 
     def trim(self, key: str, order: ExecutionOrder) -> None:
         """Replace ``key``'s order by its suffix that a first replay followed; the ranks' check of it
@@ -364,6 +377,7 @@ class RecordedOrders:
         saying why in the log: a warning at most once per :data:`WARN_EVERY` scopes of the key."""
         self._unreplayed.discard(key)
         self._merging.pop(key, None)
+        self._stopped_short.discard(key)
         if self._orders.pop(key, None) is not None:
             self._checked.discard(key)
             scopes, warned = self._scopes.get(key, 0), self._warned_at.get(key)
@@ -379,6 +393,7 @@ class RecordedOrders:
         self._orders.pop(key, None)
         self._merging.pop(key, None)
         self._unreplayed.discard(key)
+        self._stopped_short.discard(key)
 
     def needs_check(self, key: str) -> bool:
         return key not in self._checked
@@ -400,6 +415,7 @@ class RecordedOrders:
         self._checked.clear()  # loaded orders are compared across ranks before first use
         self._unreplayed.clear()
         self._merging.clear()
+        self._stopped_short.clear()
         return {key: why for key, why in loaded.items() if isinstance(why, str)}
 
 

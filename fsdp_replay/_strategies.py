@@ -109,7 +109,18 @@ _NOT_IN_ORDER = Why(MissReason.not_in_order)
 MIN_MATCHED = 0.5
 """A replayed scope whose matched demands are not more than this share of its demands plus the
 entries it skipped ran another order (a forward-only scope of a forward-and-backward order, for
-one): it diverges (see [Note: skipped entries and a changed order])."""
+one): it diverges (see [Note: skipped entries and a changed order]), unless it stopped short once.
+
+[Note: a scope that stops short]
+A training loop may give up a step after its forward (a loss that is not finite: no backward, no
+optimizer step). That scope ran a prefix of its key's order, every demand in place, and ended
+early. Dropping the order for it would cost the next scope a recording (no prefetch at all) and a
+warning, for a step that is the exception. So a replayed scope that stopped short is tolerated,
+like the early end of a scope that ran most of its order: the entries it never reached are
+skipped, what was provided for them is released. Only a second scope of the key in a row that
+stops short diverges: the loop changed (the key now runs forward only, say), and the next scope
+records the order it runs now.
+"""
 _BYTE_CAP = Why(MissReason.byte_cap, "max_prefetch_bytes would be exceeded")
 _DEPTH_REACHED = Why(MissReason.depth, "the depth's gathers were already in flight")
 _DECLINED = Why(MissReason.declined, "a gradient reduction was pending, or FSDP2 does not unshard in backward")
@@ -305,21 +316,31 @@ class Replay:
             return Why(MissReason.depth, f"{'forward' if phase.in_forward else 'backward'}_prefetch=0")
         return Why(MissReason.dropped, "provided for, then undone before its demand")
 
-    def unfinished(self) -> str | None:
+    @property
+    def stopped_short(self) -> bool:
+        """Every demand so far was found in the order (some entries skipped, maybe), and the order
+        goes on: a scope ending now ran a prefix of it (a step given up after its forward), not
+        another order."""
+        return self._matched == self._demands and not self.cursor.done
+
+    def unfinished(self, *, may_stop_short: bool) -> str | None:
         """Why a scope ending now left its order: too few of its demands matched it (the entries
-        it never reached are skipped); None if it kept to it."""
+        it never reached are skipped); None if it kept to it, or ``may_stop_short`` and it
+        :attr:`stopped_short` (see [Note: a scope that stops short])."""
         if self._passed == 0 and self._matched == self._demands and (self.cursor.done or self._realign(at_end=True)):
             return None
+        short = self.stopped_short
         cursor = self.cursor  # the prefix rule may have followed another suffix
         rest = cursor.order.entries[cursor.position :]
         considered = self._demands + self._passed + len(rest)
-        if self._matched > MIN_MATCHED * considered:
+        if self._matched > MIN_MATCHED * considered or (short and may_stop_short):
             self._skip(rest, "the scope ended before it")
             return None
         return (
             f"ended after {cursor.position} of {len(cursor.order)} recorded demands, {self._matched} of its "
             f"{self._demands} demands in the order and {self._passed + len(rest)} entries skipped"
             + (f"; next expected {rest[0].describe()}" if rest else "")
+            + (", and so did its key's scope before it" if short else "")
         )
 
     def provide(self, demanded: Unit | None = None) -> None:

@@ -103,7 +103,7 @@ def test_a_forward_only_scope_releases_the_units_kept_for_their_backward(mesh8, 
     w, model, sched = _recorded(mesh8, "sequential", PrefetchConfig(max_reuse_distance=reuse_distance))
     with sched.iteration("train"):
         model(w.make_batch(1, 0))  # the last block (every block) is kept for a backward that does not come
-    assert sched.stats.kept == kept and sched.stats.divergences == 1
+    assert sched.stats.kept == kept and sched.stats.wasted >= kept and sched.stats.divergences == 0
     _assert_all_sharded_with_settings_restored(model)
 
 
