@@ -1,7 +1,9 @@
 """Automatic scopes: outside ``iteration()``, root forwards up to the end of their backwards are a scope.
 
 One forward and its backward, or several forwards before the backwards they wait for (two forwards
-per loss, microbatches interleaved): the scheduler counts them (``Scope.backwards_pending``). That
+per loss, microbatches interleaved): the scheduler counts them (``Scope.backwards_pending``). A
+backward that comes after its scope ended (a second backward through a retained graph) is a scope
+of its own, up to its end. That
 needs one root whose backwards autograd ends. With several roots (pipeline chunks), or once
 a root's backward is finalized by its caller (a pipeline stage), microbatches interleave and no
 forward/backward pair delimits an optimizer step: automatic scopes are then off, which is said
@@ -20,7 +22,11 @@ logger = logging.getLogger("fsdp_replay")
 
 AUTO_KEY_GRAD = "auto:grad"
 AUTO_KEY_NO_GRAD = "auto:no_grad"
-AUTO_KEYS = (AUTO_KEY_GRAD, AUTO_KEY_NO_GRAD)
+AUTO_KEY_BACKWARD = "auto:backward"
+"""A backward that starts with no scope open: another backward of a graph whose scope already
+ended (``loss_a.backward(retain_graph=True)``, then ``loss_b.backward()``). It records apart from
+``auto:grad``: sharing its key, the key's scopes would alternate between two shapes."""
+AUTO_KEYS = (AUTO_KEY_GRAD, AUTO_KEY_NO_GRAD, AUTO_KEY_BACKWARD)
 
 
 def automatic_key() -> str:

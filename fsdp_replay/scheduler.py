@@ -19,7 +19,7 @@ from typing import Any, Iterator, Sequence
 import torch.nn as nn
 
 from fsdp_replay import _checkpoint, _compat
-from fsdp_replay._automatic import AutomaticScopes, automatic_key
+from fsdp_replay._automatic import AUTO_KEY_BACKWARD, AutomaticScopes, automatic_key
 from fsdp_replay._hooks import HookSet
 from fsdp_replay._lifecycle import PrefetchDivergenceError, ScopeLifecycle
 from fsdp_replay._adaptive import AdaptiveDepth
@@ -128,7 +128,8 @@ class PrefetchScheduler:
         Args:
             key: names the order; one key per distinct sequence of demands (``"train"``, ``"eval"``).
                 ``"auto:"`` keys are for automatic scopes: outside ``iteration()`` each root forward
-                up to the end of its backward is one (``"auto:grad"`` or ``"auto:no_grad"``).
+                up to the end of its backward is one (``"auto:grad"`` or ``"auto:no_grad"``), and so
+                is a backward that starts with no scope open (``"auto:backward"``).
             rerecord: drop the key's order first, so this scope records it again.
 
         Raises:
@@ -164,7 +165,8 @@ class PrefetchScheduler:
         """The recorded order of ``key``.
 
         Args:
-            key: a scope key, as given to :meth:`iteration` (or ``"auto:grad"`` / ``"auto:no_grad"``).
+            key: a scope key, as given to :meth:`iteration` (or ``"auto:grad"`` / ``"auto:no_grad"`` /
+                ``"auto:backward"``).
 
         Returns:
             Its ``(unit FQN, phase)`` sequence, or None if no order of ``key`` is installed.
@@ -335,6 +337,8 @@ class PrefetchScheduler:
     def on_demand(self, unit: Unit, phase: Phase) -> None:
         """``unit`` needs its parameters now, before FSDP2 acts on the demand."""
         scope = self._scopes.open
+        if scope is None and not phase.in_forward and self._automatic.on:
+            scope = self._scopes.begin(AUTO_KEY_BACKWARD, explicit=False)  # ends with this backward
         demand = _compat.classify_demand(unit.state)
         held = self._window.demanded(unit, missed=demand is _MISS)
         if scope is None:

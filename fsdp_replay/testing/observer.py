@@ -79,11 +79,14 @@ class DemandObserver:
             return
         if len(state._modules) > 1 and state._modules_to_run_forward != {owner}:
             return
-        fired = [False]
+        fired_in: list[int | None] = [None]
+        """The backward (autograd graph task) that last saw this forward's outputs: one demand per
+        backward, however many outputs it reaches, and another in a second backward through them."""
 
         def hook(grad: torch.Tensor) -> None:
-            if not fired[0]:
-                fired[0] = True
+            task = torch._C._current_graph_task_id()
+            if fired_in[0] != task:
+                fired_in[0] = task
                 self._observe(label, "backward", state)
 
         outputs = output if isinstance(output, (tuple, list)) else (output,)

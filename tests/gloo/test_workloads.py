@@ -161,25 +161,55 @@ def _two_forwards_per_loss(model, w, step: int) -> list[float]:
     return [loss.item()]
 
 
-def _train_two_forwards_per_loss(mesh, mode: str) -> dict:
+def _two_backwards_through_one_graph(model, w, step: int) -> list[float]:
+    """One step: one root forward, then two losses of it backwarded one after the other."""
+    loss = model(w.make_batch(step, 0))
+    loss.backward(retain_graph=True)
+    (loss * 0.5).backward()
+    return [loss.item()]
+
+
+LOOPS = {"two_forwards": _two_forwards_per_loss, "two_backwards": _two_backwards_through_one_graph}
+"""Steps whose forwards and backwards do not pair one to one, run outside ``iteration()``."""
+
+
+def _train_loop(mesh, loop: str, mode: str) -> dict:
     """Outside ``iteration()``: automatic scopes."""
     w = workload("sequential")
     model = w.make_model().shard(mesh)
     sched = None if mode == "plain" else attach(model, contender_config(mode))
-    run = train(model, w, sched, STEPS, scoped=False, observer=DemandObserver(model), iterate=_two_forwards_per_loss)
-    return run | {"stats": sched.stats.as_dict() if sched else None}
+    run = train(model, w, sched, STEPS, scoped=False, observer=DemandObserver(model), iterate=LOOPS[loop])
+    orders = {key: sched.recorded_order(key) for key in ("auto:grad", "auto:backward")} if sched else None
+    return run | {"stats": sched.stats.as_dict() if sched else None, "orders": orders}
 
 
-def _two_forwards_all_modes(mesh) -> dict:
-    return {("two_forwards", mode): _train_two_forwards_per_loss(mesh, mode) for mode in MODES}
+def _loop_all_modes(mesh, loop: str) -> dict:
+    return {(loop, mode): _train_loop(mesh, loop, mode) for mode in MODES}
 
 
 def test_two_forwards_per_loss_are_one_automatic_scope_replayed_bitwise():
     """The second forward joins the first's scope; the backward that covers both leaves one forward
     waiting by the count, and the optimizer step closes the scope as completed."""
-    for rank_result in spawn(_two_forwards_all_modes, timeout_s=300):
+    for rank_result in spawn(_loop_all_modes, "two_forwards", timeout_s=300):
         assert_trains_like_plain(rank_result, "two_forwards", MODES[1:])
         run = rank_result[("two_forwards", "record_and_replay")]
         assert run["stats"]["recordings"] == 1 and run["stats"]["divergences"] == 0, run["stats"]
         for observed in run["observed"][1:]:
             assert {kind for _, _, kind in observed[1:]} <= {"hit", "resident"}, observed
+
+
+def test_a_second_backward_through_a_retained_graph_is_an_automatic_scope_of_its_own():
+    """The first backward ends the forward's scope; the second, with no scope open, opens
+    ``auto:backward`` (it used to run outside any scope: no prefetch at all, where plain FSDP2
+    prefetches its backward), which records once and replays, missing only its first demand."""
+    for rank_result in spawn(_loop_all_modes, "two_backwards", timeout_s=300):
+        assert_trains_like_plain(rank_result, "two_backwards", MODES[1:])
+        run = rank_result[("two_backwards", "record_and_replay")]
+        assert run["stats"]["recordings"] == 2 and run["stats"]["divergences"] == 0, run["stats"]
+        orders = run["orders"]
+        assert orders["auto:backward"] == [entry for entry in orders["auto:grad"] if entry[1] == "backward"]
+        second_backward = len(orders["auto:grad"])
+        for observed in run["observed"][1:]:
+            after_first_demands = [kind for i, (_, _, kind) in enumerate(observed) if i not in (0, second_backward)]
+            assert set(after_first_demands) <= {"hit", "resident"}, observed
+            assert "hit" in {kind for _, _, kind in observed[second_backward:]}, observed  # the second backward prefetches
