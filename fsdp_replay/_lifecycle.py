@@ -115,10 +115,14 @@ class ScopeLifecycle:
                     self.stats.count(scope.key, Count.recordings)
                     logger.debug("fsdp_replay: recorded %d demands for iteration %r", len(entries), scope.key)
             elif isinstance(strategy, Replay):
-                short_again = self._orders.replay_ended(scope.key, short=strategy.stopped_short)
-                if (unfinished := strategy.unfinished(may_stop_short=not short_again)) is not None:
+                unfinished = strategy.unfinished(may_stop_short=not self._orders.stopped_short(scope.key))
+                self._orders.replay_ended(scope.key, short=strategy.stopped_short)
+                if unfinished is not None:
                     self.diverge(scope, f"iteration {scope.key!r} {unfinished}")
-                elif strategy.skipped_prefix:
+                    return
+                if strategy.stopped_short:
+                    scope.outcome = "stopped short of its order (tolerated once: a second in a row records again)"
+                if strategy.skipped_prefix:
                     self._orders.trim(scope.key, strategy.followed_order(scope.served))
         finally:  # also when a divergence raises: every rank takes part in the depth's agreement
             self._finish(scope, None)

@@ -355,15 +355,17 @@ class RecordedOrders:
         self._unreplayed.discard(key)
         return first
 
-    def replay_ended(self, key: str, *, short: bool) -> bool:
-        """A replayed scope of ``key`` ended, ``short`` of its order or not; returns whether the
-        key's replayed scope before it stopped short too (see [Note: a scope that stops short])."""
-        again = short and key in self._stopped_short
+    def stopped_short(self, key: str) -> bool:
+        """Whether the latest replayed scope of ``key`` stopped short of its order (see [Note: a
+        scope that stops short])."""
+        return key in self._stopped_short
+
+    def replay_ended(self, key: str, *, short: bool) -> None:
+        """A replayed scope of ``key`` ended, ``short`` of its order or not."""
         if short:
             self._stopped_short.add(key)
         else:
             self._stopped_short.discard(key)
-        return again
 
     def trim(self, key: str, order: ExecutionOrder) -> None:
         """Replace ``key``'s order by its suffix that a first replay followed; the ranks' check of it

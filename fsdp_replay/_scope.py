@@ -25,6 +25,7 @@ from fsdp_replay.waits import WaitLog
 _DEMAND = Event.demand
 """Read per demand: see [Note: Enum members on the per-demand path] in ``scheduler.py``."""
 _OPENS_SCOPE = Why(MissReason.automatic_scope_start, "it opens the scope, inside the root's forward")
+_OPENS_BACKWARD_SCOPE = Why(MissReason.automatic_scope_start, "it opens the scope: a backward with no scope open")
 
 
 @dataclass(eq=False)
@@ -80,7 +81,7 @@ class Scope:
         if mode is ScopeMode.demand:
             return self.demand_only
         if not self.explicit and not self.served and mode is not ScopeMode.record:
-            return _OPENS_SCOPE
+            return _OPENS_SCOPE if phase.in_forward else _OPENS_BACKWARD_SCOPE
         return self.strategy.why_missed(unit, phase)
 
     def demanded(self, unit: Unit, phase: Phase, demand: Demand, held: Held | None, why: Why | None) -> int:

@@ -62,7 +62,8 @@ class MissReason(str, enum.Enum):
     recording = "recording scope"
     """The key has no order yet: this scope records it, prefetching nothing."""
     automatic_scope_start = "first demand of an automatic scope"
-    """An automatic scope opens inside the root's forward, at this very demand."""
+    """An automatic scope opens inside the root's forward (or, ``auto:backward``, at a backward's
+    first demand with no scope open), at this very demand."""
     after_divergence = "after a divergence"
     """The scope left its recorded order (the detail says where) and finishes demand-only."""
     realigned = "first replay realigned to its recording"

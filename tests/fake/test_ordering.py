@@ -166,6 +166,7 @@ def test_a_scope_that_stops_short_once_keeps_the_order_and_twice_in_a_row_diverg
     for step in (1, 3):  # stops short, then a whole scope in between: each is tolerated
         forward_only(step)
         assert sched.stats.divergences == 0 and sched.recorded_order("train") == order and sched.stats.wasted >= 1
+        assert "replay scope, stopped short of its order" in str(sched.explain("train"))
         with sched.iteration("train"):
             run_iteration(model, w, step + 1)
         assert sched.stats.divergences == 0 and sched.stats.recordings == 1
