@@ -121,7 +121,7 @@ class ScopeLifecycle:
                     self.diverge(scope, f"iteration {scope.key!r} {unfinished}")
                     return
                 if strategy.stopped_short:
-                    scope.outcome = "stopped short of its order (tolerated once: a second in a row records again)"
+                    scope.outcome = "stopped short of its order"
                 if strategy.skipped_prefix:
                     self._orders.trim(scope.key, strategy.followed_order(scope.served))
         finally:  # also when a divergence raises: every rank takes part in the depth's agreement
