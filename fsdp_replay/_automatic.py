@@ -3,11 +3,10 @@
 One forward and its backward, or several forwards before the backwards they wait for (two forwards
 per loss, microbatches interleaved): the scheduler counts them (``Scope.backwards_pending``). A
 backward that comes after its scope ended (a second backward through a retained graph) is a scope
-of its own, up to its end. That
-needs one root whose backwards autograd ends. With several roots (pipeline chunks), or once
-a root's backward is finalized by its caller (a pipeline stage), microbatches interleave and no
-forward/backward pair delimits an optimizer step: automatic scopes are then off, which is said
-once, with what to do instead.
+of its own, up to its end. Automatic scopes need one root whose backwards autograd ends. With
+several roots (pipeline chunks), or once a root's backward is finalized by its caller (a pipeline
+stage), microbatches interleave and no forward/backward pair delimits an optimizer step:
+automatic scopes are then off, which is said once, with what to do instead.
 """
 
 from __future__ import annotations

@@ -109,7 +109,8 @@ _NOT_IN_ORDER = Why(MissReason.not_in_order)
 MIN_MATCHED = 0.5
 """A replayed scope whose matched demands are not more than this share of its demands plus the
 entries it skipped ran another order (a forward-only scope of a forward-and-backward order, for
-one): it diverges (see [Note: skipped entries and a changed order]), unless it stopped short once.
+one): it diverges (see [Note: skipped entries and a changed order]), unless it stopped short and
+the key's replayed scope before it did not.
 
 [Note: a scope that stops short]
 A training loop may give up a step after its forward (a loss that is not finite: no backward, no
@@ -118,8 +119,8 @@ early. Dropping the order for it would cost the next scope a recording (no prefe
 warning, for a step that is the exception. So a replayed scope that stopped short is tolerated,
 like the early end of a scope that ran most of its order: the entries it never reached are
 skipped, what was provided for them is released. Only a second scope of the key in a row that
-stops short diverges: the loop changed (the key now runs forward only, say), and the next scope
-records the order it runs now.
+stops short, matching too little of the order for MIN_MATCHED, diverges: the loop changed (the key
+now runs forward only, say), and the next scope records the order it runs now.
 """
 _BYTE_CAP = Why(MissReason.byte_cap, "max_prefetch_bytes would be exceeded")
 _DEPTH_REACHED = Why(MissReason.depth, "the depth's gathers were already in flight")
