@@ -41,12 +41,10 @@ def issue_unshard(state: Any, *, backward: bool, use_now: bool = False) -> bool:
         cpu = _ON_HOST[device] = device.type == "cpu"  # reading .type costs ~0.25 µs: once per device
     if not cpu and not _streams_synced(state):
         # Issued before FSDP2's root pre-forward (at a scope's start, right after
-        # optimizer.step()): the side streams must first see the current stream's writes to the
-        # sharded parameters. See [Note: stream waits before a gather].
-        current = state._device_handle.current_stream()
-        for name in ("all_gather_copy_in_stream", "all_gather_stream"):
-            if (stream := getattr(state._comm_ctx, name, None)) is not None:
-                stream.wait_stream(current)
+        # optimizer.step()): the side streams must first see the optimizer's writes to the sharded
+        # parameters, on the current stream or where set_post_optim_event() says. See
+        # [Note: stream waits before a gather].
+        _wait_for_optimizer(state)
     training_state = _PRE_BACKWARD if backward else _FORWARD
     if not HOOK_CONTEXT:  # no empty context manager per gather: [Note: trims of the per-demand path]
         return _unshard_groups(state, training_state, cpu)
@@ -62,9 +60,26 @@ def issue_unshard(state: Any, *, backward: bool, use_now: bool = False) -> bool:
 # no wait of its own, and waiting again cost two cross-stream waits (an event record and a stream
 # wait each, a few µs of host time on CUDA) per prefetch, which FSDP2's own prefetch never pays.
 # Only a gather issued before the root pre-forward of its root (a scope's first refill, the refill
-# at the root unit's demand, which comes before FSDP2's root pre-forward) waits. Where torch 2.15
+# at the root unit's demand, which comes before FSDP2's root pre-forward) waits, and for what the
+# root pre-forward would wait for: the event of ``set_post_optim_event()`` where one is set (the
+# optimizer ran on another stream, which the current stream knows nothing of), else the current
+# stream. Where torch 2.15
 # leaves ``iter_forward_root`` set past a forward (chunked loss), FSDP2's own root pre-forward skips
 # its wait too, so no gather waits less than plain FSDP2's. On CPU nothing waits (host gathers).
+
+
+def _wait_for_optimizer(state: Any) -> None:
+    """Make the all-gather streams wait as FSDP2's root pre-forward does: for the event a user set
+    with ``set_post_optim_event()`` (an optimizer run on another stream), else the current stream.
+    The event stays set: FSDP2's own root pre-forward still waits for it and clears it."""
+    event = state._state_ctx.post_optim_event
+    current = state._device_handle.current_stream() if event is None else None
+    for name in ("all_gather_copy_in_stream", "all_gather_stream"):
+        if (stream := getattr(state._comm_ctx, name, None)) is not None:
+            if event is not None:
+                stream.wait_event(event)
+            else:
+                stream.wait_stream(current)
 
 
 def _streams_synced(state: Any) -> bool:

@@ -27,12 +27,16 @@ def stream_log(monkeypatch):
         log.append(("wait", sys._getframe(1).f_code.co_name))
         return wait_stream(stream, other)
 
+    def logged_wait_event(stream, event):
+        log.append(("wait_event", sys._getframe(1).f_code.co_name))
+
     def logged_unshard(group, async_op=False):
         if group._all_gather_result is None and not group.is_unsharded:
             log.append(("gather", group._module_fqn))
         return unshard(group, async_op)
 
     monkeypatch.setattr(torch.cpu.Stream, "wait_stream", logged_wait)
+    monkeypatch.setattr(torch.cpu.Stream, "wait_event", logged_wait_event)
     monkeypatch.setattr(FSDPParamGroup, "unshard", logged_unshard)
     return log
 
@@ -74,3 +78,27 @@ def test_no_gather_reads_the_parameters_before_the_streams_waited_for_the_optimi
         gathers_at = [i for i, (kind, _) in enumerate(stream_log) if kind == "gather"]
         waits_at = [i for i, (kind, _) in enumerate(stream_log) if kind == "wait"]
         assert gathers_at and waits_at and waits_at[0] < gathers_at[0], stream_log[:6]
+
+
+@pytest.mark.parametrize("mode", ["record_and_replay", "static"])
+def test_gathers_before_the_root_pre_forward_wait_for_a_post_optimizer_event(mesh8, stream_log, mode):
+    """An optimizer run on another stream, announced with ``set_post_optim_event()``: FSDP2's root
+    pre-forward waits for that event, not the current stream, and so must every gather issued
+    before it (waiting for the current stream would not order it after the optimizer's writes)."""
+    w = workload("sequential")
+    model = w.make_model().shard(mesh8)
+    sched = attach(model, PrefetchConfig(mode=mode))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(4):
+        optimizer.step()
+        model.set_post_optim_event(torch.Event("cpu"))  # the waits are logged, not made
+        stream_log.clear()
+        with sched.iteration("train"):
+            run_iteration(model, w, step)
+        optimizer.zero_grad()
+        first_gather = next(i for i, (kind, _) in enumerate(stream_log) if kind == "gather")
+        ours = [(i, kind) for i, (kind, who) in enumerate(stream_log) if who in ("issue_unshard", "_wait_for_optimizer")]
+        assert all(kind == "wait_event" for _, kind in ours), stream_log[:8]
+        if sched.stats.prefetches:  # not while recording
+            assert ours and ours[0][0] < first_gather, stream_log[:8]
+        assert stream_log.count(("wait_event", "_root_pre_forward")) == 2  # FSDP2 still waits for it, once
