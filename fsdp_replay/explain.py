@@ -30,7 +30,8 @@ class Served(str, enum.Enum):
     kept = "kept"
     """It was kept unsharded from its previous use."""
     resident = "resident"
-    """Already unsharded by someone else's doing (``reshard_after_forward=False``, the root, a user's ``unshard()``)."""
+    """Already unsharded by someone else's doing (``reshard_after_forward=False``, the root, a user's
+    ``unshard()``), or a backward use FSDP2 needs no parameters for (``set_unshard_in_backward(False)``)."""
     miss = "miss"
     """Its all-gather was issued at the point of use."""
 

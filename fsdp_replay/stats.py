@@ -46,7 +46,8 @@ class Demand(str, enum.Enum):
     miss = "miss", Count.misses
     """Sharded with no gather pending: the all-gather is issued at the point of use."""
     resident = "resident", Count.resident
-    """Already unsharded: no all-gather is needed."""
+    """Already unsharded, or a backward use FSDP2 needs no parameters for
+    (``set_unshard_in_backward(False)``): no all-gather is needed."""
 
 
 _DEMANDS_SERVED = tuple(Demand)

@@ -44,6 +44,7 @@ from fsdp_replay._compat.intercept import (
     stop_reporting_pre_backward,
 )
 from fsdp_replay._compat.state import (
+    Standing,
     classify_demand,
     completes_forward,
     device,
@@ -62,9 +63,9 @@ from fsdp_replay._compat.state import (
     opens_forward,
     process_group,
     sharded_params,
-    Standing,
     standing,
     state_modules,
     unsharded_bytes,
+    unshards_in_backward,
 )
 from fsdp_replay._compat.waits import stop_timing_waits, time_waits

@@ -141,6 +141,12 @@ def is_sharded_idle(state: Any) -> bool:
     return not is_pending(state) and not is_resident(state)
 
 
+def unshards_in_backward(state: Any) -> bool:
+    """False after ``set_unshard_in_backward(False)`` (an embedding, whose backward needs no
+    parameters): FSDP2 then gathers nothing for the unit's backward, and neither may the scheduler."""
+    return not INTERNALS_OK or all(g.unshard_in_backward for g in param_groups(state))
+
+
 def in_use(state: Any) -> bool:
     """A forward or backward of the unit is running, so FSDP2 reshards it when that use ends."""
     return INTERNALS_OK and any(g._training_state not in IDLE_STATES for g in param_groups(state))

@@ -96,6 +96,8 @@ class DemandObserver:
 
     def _observe(self, label: str, phase: str, state: Any) -> None:
         demand = _gather_state(state)
+        if phase == "backward" and not all(g.unshard_in_backward for g in param_groups(state)):
+            demand = Demand.resident  # set_unshard_in_backward(False): FSDP2 gathers nothing here
         self.log.append((label, phase, demand))
         self.must_wait.append(demand is Demand.miss or any(gather_running(g) for g in param_groups(state)))
 
