@@ -46,7 +46,7 @@ logger = logging.getLogger("fsdp_replay")
 # members it compares against from globals like these, bound once at import. BENCHMARKS.md
 # "4c. CPU cost after issue 15 part 2" measured it.
 
-_MISS, _RESIDENT, _DEMAND_MODE, _KEPT = Demand.miss, Demand.resident, ScopeMode.demand, Held.kept
+_MISS, _DEMAND_MODE, _KEPT = Demand.miss, ScopeMode.demand, Held.kept
 _BACKWARD = Phase.backward
 """Read per demand (see the note above)."""
 
@@ -340,9 +340,7 @@ class PrefetchScheduler:
         scope = self._scopes.open
         if scope is None and not phase.in_forward and self._automatic.on:
             scope = self._scopes.begin(AUTO_KEY_BACKWARD, explicit=False)  # ends with this backward
-        demand = _compat.classify_demand(unit.state)
-        if demand is _MISS and phase is _BACKWARD and not _compat.unshards_in_backward(unit.state):
-            demand = _RESIDENT  # set_unshard_in_backward(False): FSDP2 gathers nothing, nor is one provided
+        demand = _compat.classify_demand(unit.state, backward=phase is _BACKWARD)
         held = self._window.demanded(unit, missed=demand is _MISS)
         if scope is None:
             self._demanded_outside_scope(demand, held)

@@ -66,6 +66,5 @@ from fsdp_replay._compat.state import (
     standing,
     state_modules,
     unsharded_bytes,
-    unshards_in_backward,
 )
 from fsdp_replay._compat.waits import stop_timing_waits, time_waits

@@ -102,18 +102,26 @@ _HIT, _RESIDENT, _MISS = Demand.hit, Demand.resident, Demand.miss
 """Read per demand: see [Note: Enum members on the per-demand path] in ``scheduler.py``."""
 
 
-def classify_demand(state: Any) -> Demand:
-    """How a demand finds the unit: a gather pending (hit), unsharded (resident), or neither (miss)."""
+def classify_demand(state: Any, *, backward: bool) -> Demand:
+    """How a demand finds the unit: a gather pending (hit), unsharded (resident), or neither (miss).
+
+    ``backward``: a backward use (not recompute), which needs no gather where FSDP2 does not
+    unshard the unit in backward (``set_unshard_in_backward(False)``, an embedding's): resident.
+    """
     if INTERNALS_OK and len(groups := param_groups(state)) == 1:  # the common case, in one call
         group = groups[0]
         if group._all_gather_result is not None:
             return _HIT
-        return _RESIDENT if group.is_unsharded else _MISS
+        if group.is_unsharded or (backward and not group.unshard_in_backward):
+            return _RESIDENT
+        return _MISS
     if is_pending(state):
         if not INTERNALS_OK:
             del public.pending[state]  # FSDP2's pre-hook waits on it now
         return Demand.hit
-    return Demand.resident if is_resident(state) else Demand.miss
+    if is_resident(state) or (backward and INTERNALS_OK and not all(g.unshard_in_backward for g in param_groups(state))):
+        return Demand.resident
+    return Demand.miss
 
 
 def is_pending(state: Any) -> bool:
@@ -139,12 +147,6 @@ def is_sharded_idle(state: Any) -> bool:
         group = groups[0]
         return group._all_gather_result is None and not group.is_unsharded
     return not is_pending(state) and not is_resident(state)
-
-
-def unshards_in_backward(state: Any) -> bool:
-    """False after ``set_unshard_in_backward(False)`` (an embedding, whose backward needs no
-    parameters): FSDP2 then gathers nothing for the unit's backward, and neither may the scheduler."""
-    return not INTERNALS_OK or all(g.unshard_in_backward for g in param_groups(state))
 
 
 def in_use(state: Any) -> bool:
