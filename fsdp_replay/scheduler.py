@@ -46,8 +46,7 @@ logger = logging.getLogger("fsdp_replay")
 # members it compares against from globals like these, bound once at import. BENCHMARKS.md
 # "4c. CPU cost after issue 15 part 2" measured it.
 
-_MISS, _DEMAND_MODE, _KEPT = Demand.miss, ScopeMode.demand, Held.kept
-_BACKWARD = Phase.backward
+_MISS, _DEMAND_MODE, _KEPT, _BACKWARD = Demand.miss, ScopeMode.demand, Held.kept, Phase.backward
 """Read per demand (see the note above)."""
 
 # [Note: counting a scope's demands]
