@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import sys
 import weakref
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn as nn
@@ -32,7 +32,11 @@ _FORWARD, _RECOMPUTE, _BACKWARD = Phase.forward, Phase.recompute, Phase.backward
 # - Unit pre-forward: prepended, and registered after ``fully_shard`` registered FSDP2's, so it
 #   runs before FSDP2's pre-forward unshards: the demand is classified from FSDP2's state as the
 #   demand finds it, and its missing gather is issued before any prefetch. A grouped unit reports
-#   one demand per pass (``_compat.opens_forward``).
+#   one demand per pass (``_compat.opens_forward``). A method registered with
+#   ``register_fsdp_forward_method`` runs no module hook: FSDP2's ``_pre_forward``, shadowed per
+#   state (``_compat.report_method_forward``), reports it as the same demand. A root's method opens
+#   no automatic scope (RL libraries register ``generate``, which calls the root's forward once per
+#   token, each forward its own scope).
 # - Root post-forward: appended with ``always_call``, so it runs after FSDP2's own post-forward and
 #   also when the forward raised: an automatic scope learns whether a backward follows.
 # - Backward use: FSDP2's own pre-backward tensor hook, shadowed per state
@@ -66,7 +70,9 @@ _FORWARD, _RECOMPUTE, _BACKWARD = Phase.forward, Phase.recompute, Phase.backward
 # ``torch.compiler.disable`` (recursive: nothing the scheduler calls from it is traced either),
 # and runs eagerly as FSDP2's do. The wrapper costs 0.3 µs per call (0.53 against 0.23 µs for a
 # bare call, torch 2.13, this 2-core machine, load ~7), once per forward demand; tensor hooks and
-# FSDP2's shadowed methods run from autograd or from FSDP2's own disabled hooks, so they need none.
+# FSDP2's shadowed methods run from autograd or from FSDP2's own disabled hooks, so they need none;
+# the ``_pre_forward`` shadow is the exception (a registered method's wrapper calls it, traced
+# wherever the method is), so it is wrapped too.
 
 
 class SchedulerEvents(Protocol):
@@ -79,11 +85,6 @@ class SchedulerEvents(Protocol):
     def on_root_pre_forward(self) -> None: ...
     def on_root_post_forward(self, *, backward_follows: bool, failed: bool) -> None: ...
     def on_backward_end(self, *, finalized_by_caller: bool) -> None: ...
-
-
-def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
-    """``hook`` run outside Dynamo: see [Note: hooks are opaque to torch.compile]."""
-    return torch.compiler.disable(hook, recursive=True, reason="fsdp_replay's hooks run eagerly, as FSDP2's do")
 
 
 class _BackwardDemand:
@@ -126,6 +127,7 @@ class HookSet:
         for ref in self._intercepted_states:
             if (state := ref()) is not None:
                 _compat.stop_reporting_pre_backward(state)
+                _compat.stop_reporting_method_forward(state)
                 _compat.stop_intercepting_group_calls(state)
                 _compat.stop_intercepting_backward_end(state)
         self._intercepted_states.clear()
@@ -140,9 +142,10 @@ class HookSet:
         modules = unit.modules()
         for module in modules:
             self._handles.append(
-                module.register_forward_pre_hook(_eager(functools.partial(self._on_pre_forward, unit)), prepend=True)
+                module.register_forward_pre_hook(_compat.eager(functools.partial(self._on_pre_forward, unit)), prepend=True)
             )
         state = unit.state
+        _compat.report_method_forward(state, functools.partial(self._on_pre_forward, unit))
         intercepted = _compat.intercept_group_calls(
             state,
             skip_lifecycle_reshard=functools.partial(self._events.on_lifecycle_reshard, unit),
@@ -152,7 +155,7 @@ class HookSet:
             return intercepted
         for module in modules:  # public fallback: one more tensor hook per output
             self._handles.append(
-                module.register_forward_hook(_eager(functools.partial(self._on_forward_output, unit)), prepend=True)
+                module.register_forward_hook(_compat.eager(functools.partial(self._on_forward_output, unit)), prepend=True)
             )
         return intercepted
 
@@ -168,9 +171,9 @@ class HookSet:
     def register_root(self, root: nn.Module) -> None:
         """Register last, so scopes open before demands (see [Note: hook order and the end of backward])."""
         self._handles += [
-            root.register_forward_pre_hook(_eager(self._on_root_pre_forward), prepend=True),
+            root.register_forward_pre_hook(_compat.eager(self._on_root_pre_forward), prepend=True),
             # always_call: an automatic scope must learn that its forward raised.
-            root.register_forward_hook(_eager(self._on_root_post_forward), always_call=True),
+            root.register_forward_hook(_compat.eager(self._on_root_post_forward), always_call=True),
         ]
         # Any FSDP2 state under the root (with parameters or not) may queue the root callback. Not
         # filter(None, ...): with the public fallback a state is its module, and a compiled module

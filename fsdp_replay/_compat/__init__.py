@@ -27,6 +27,7 @@ from fsdp_replay._compat.guard import (
     TESTED_TORCH,
     TORCH_RELEASE,
     PublicAPIFallbackWarning,
+    eager,
     profiling,
     trace,
 )
@@ -37,10 +38,12 @@ from fsdp_replay._compat.intercept import (
     intercept_group_calls,
     other_party,
     queue_backward_callback,
+    report_method_forward,
     report_pre_backward,
     restore_own_prefetch,
     stop_intercepting_backward_end,
     stop_intercepting_group_calls,
+    stop_reporting_method_forward,
     stop_reporting_pre_backward,
 )
 from fsdp_replay._compat.state import (

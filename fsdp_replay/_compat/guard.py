@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
+from typing import Any, Callable
 
 import torch
 from torch.profiler import record_function
@@ -78,3 +79,9 @@ def trace(*label: str) -> contextlib.AbstractContextManager:
     if torch.autograd.profiler._is_profiler_enabled:
         return record_function(" ".join(label))
     return _NO_CONTEXT
+
+
+def eager(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook`` run outside Dynamo, as FSDP2's own hooks are: see [Note: hooks are opaque to
+    torch.compile] in ``fsdp_replay/_hooks.py``."""
+    return torch.compiler.disable(hook, recursive=True, reason="fsdp_replay's hooks run eagerly, as FSDP2's do")

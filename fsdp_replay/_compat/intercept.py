@@ -11,10 +11,11 @@ import sys
 from typing import Any, Callable
 
 import torch
+import torch.nn as nn
 from torch.autograd import Variable
 
 from fsdp_replay._compat import public
-from fsdp_replay._compat.guard import INTERNALS_OK
+from fsdp_replay._compat.guard import INTERNALS_OK, eager
 from fsdp_replay._compat.shadows import GroupShadow, Interception, OtherPartyCall
 from fsdp_replay._compat.state import in_backward, param_groups
 
@@ -51,6 +52,31 @@ def report_pre_backward(state: Any, on_backward_use: Callable[[], None]) -> bool
 
 def stop_reporting_pre_backward(state: Any) -> None:
     state.__dict__.pop("_pre_backward", None)
+
+
+def report_method_forward(state: Any, on_forward: Callable[[nn.Module, Any], None]) -> None:
+    """Call ``on_forward(module, args)`` before FSDP2's pre-forward of a method registered with
+    ``register_fsdp_forward_method`` (RL libraries register ``generate``; a unit may register one
+    of its own), which the module's forward hooks never see.
+
+    Such a method calls ``state._pre_forward`` itself, looked up at each call, while FSDP2's
+    forward hook holds the bound method it registered: this instance attribute therefore sees
+    method calls only, never a forward the module hooks already report. It is opaque to
+    torch.compile, as FSDP2's ``_pre_forward`` is. Without FSDP2's internals nothing sees them.
+    """
+    if not INTERNALS_OK:
+        return
+    fsdp_pre_forward = type(state)._pre_forward.__get__(state)
+
+    def pre_forward(module: nn.Module, args: Any, kwargs: Any) -> Any:
+        on_forward(module, args)
+        return fsdp_pre_forward(module, args, kwargs)
+
+    state._pre_forward = eager(pre_forward)
+
+
+def stop_reporting_method_forward(state: Any) -> None:
+    state.__dict__.pop("_pre_forward", None)
 
 
 # --- FSDP2's reshards and unshards, seen as they happen ------------------------------------------

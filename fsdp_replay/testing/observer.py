@@ -50,7 +50,8 @@ class DemandObserver:
     """Hooks that run before fsdp_replay's and FSDP2's, logging ``(fqn, phase, hit|miss|resident)``.
 
     Register after attaching the scheduler, so these hooks run first (see
-    [Note: hook order and the end of backward] in ``fsdp_replay/_hooks.py``).
+    [Note: hook order and the end of backward] in ``fsdp_replay/_hooks.py``). Module hooks only:
+    calls of a method registered with ``register_fsdp_forward_method`` are not logged.
     """
 
     def __init__(self, root: nn.Module) -> None:

@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 from torch.utils.checkpoint import checkpoint
 
 class Pass(str, enum.Enum):
@@ -250,6 +250,38 @@ class LoopedModel(CallSequenceModel):
         return super().forward(x)
 
 
+class HalvingBlock(Block):
+    """A :class:`Block` with a second forward method, whose residual branch is halved."""
+
+    def halved(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 0.5 * self.down(torch.nn.functional.silu(self.up(x)))
+
+
+class MethodCallModel(CallSequenceModel):
+    """Blocks in order, reached through methods registered with ``register_fsdp_forward_method`` (RL
+    libraries register ``generate``): the root's :meth:`loss` and each even block's ``halved``.
+    FSDP2 gathers for such a call as for a forward; the modules' forward hooks never run. Train it
+    through :meth:`loss`."""
+
+    def __init__(self, *, dim: int, hidden: int, n_blocks: int) -> None:
+        super().__init__(dim=dim, hidden=hidden, n_blocks=n_blocks, calls=range(n_blocks), block=HalvingBlock)
+
+    def _run(self, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        for i in self.calls[start:stop]:
+            x = self.blocks[i].halved(x) if i % 2 == 0 else self.blocks[i](x)
+        return x
+
+    def loss(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward(x)  # a method call: FSDP2's hooks run around it once registered, the module's do not
+
+    def shard(self, mesh, **kwargs) -> nn.Module:
+        root = super().shard(mesh, **kwargs)
+        for block in self.blocks[::2]:
+            register_fsdp_forward_method(block, "halved")
+        register_fsdp_forward_method(self, "loss")
+        return root
+
+
 def _seeded_by(x: torch.Tensor) -> torch.Generator:
     """A generator seeded from the batch, which every rank holds identically."""
     return torch.Generator().manual_seed(hash(tuple(x.flatten()[:4].tolist())) & 0x7FFF_FFFF)
@@ -413,6 +445,23 @@ def nested_workloads(*, dim: int = 32, hidden: int = 64, n_blocks: int = 4, rows
         Workload("nested_units", nested(), dense, notes="up and down units inside each block unit"),
         Workload("nested_checkpointed", nested([(0, n_blocks)]), dense, notes="nested units, every block recomputed in backward"),
     ]
+
+
+def method_call_workload(*, dim: int = 32, hidden: int = 64, n_blocks: int = 4, rows: int = 8) -> Workload:
+    """:class:`MethodCallModel`: run it with :func:`run_through_loss`, not :func:`run_iteration`."""
+    return Workload(
+        "method_calls",
+        _seeded(lambda: MethodCallModel(dim=dim, hidden=hidden, n_blocks=n_blocks)),
+        _dense_batch(dim, rows),
+        notes="the root and the even blocks run through methods registered with register_fsdp_forward_method",
+    )
+
+
+def run_through_loss(model: nn.Module, workload: Workload, step: int) -> list[float]:
+    """One step of :func:`method_call_workload`: ``model.loss`` of one batch, then its backward."""
+    loss = model.loss(workload.make_batch(step, 0))
+    loss.backward()
+    return [loss.item()]
 
 
 def workload(name: str, **sizes: Any) -> Workload:

@@ -167,7 +167,7 @@ def test_detach_leaves_no_shadowed_fsdp2_method_and_keeps_lists_set_while_attach
         if not isinstance(module, FSDPModule):
             continue
         state = fsdp_state(module)
-        assert not {"_pre_backward", "_root_post_backward_final_callback"} & set(vars(state)), module
+        assert not {"_pre_forward", "_pre_backward", "_root_post_backward_final_callback"} & set(vars(state)), module
         for group in param_groups(state):
             shadowed = {"post_forward", "post_backward", "reshard", "unshard", "_reset_iter_state"} & set(vars(group))
             assert not shadowed, (module, shadowed)

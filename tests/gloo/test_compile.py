@@ -12,7 +12,7 @@ from fsdp_replay import PrefetchConfig, attach
 from fsdp_replay._compat import PUBLIC_API_ENV
 from fsdp_replay.testing.compare import assert_trains_like_plain, train
 from fsdp_replay.testing.distributed import spawn
-from fsdp_replay.testing.workloads import workload
+from fsdp_replay.testing.workloads import method_call_workload, run_iteration, run_through_loss, workload
 
 MODES = ("plain", "demand", "static", "record_and_replay")
 COMPILED = ("blocks", "swapped", "whole")
@@ -27,9 +27,12 @@ CASES = (
     "checkpointed/swapped",
     "sequential/whole",
     "shared_block/whole",
+    "method_calls/methods",
 )
 """Workload/how compiled. Compiled whole, the checkpointed workload captures no graph at all, with
-or without a scheduler, so it shows nothing there."""
+or without a scheduler, so it shows nothing there. ``method_calls/methods``: the even blocks'
+methods registered with ``register_fsdp_forward_method`` compiled after sharding, so Dynamo traces
+FSDP2's method wrapper and meets the ``_pre_forward`` the scheduler shadows."""
 STEPS = 3
 
 
@@ -39,7 +42,7 @@ def _train_compiled(mesh, case: str, mode: str) -> dict:
     torch._dynamo.reset()
     counters.clear()
     name, compiled = case.split("/")
-    w = workload(name)
+    w = method_call_workload() if name == "method_calls" else workload(name)
     model = w.make_model()
     if compiled == "blocks":
         for block in model.blocks:
@@ -48,10 +51,13 @@ def _train_compiled(mesh, case: str, mode: str) -> dict:
         for i, block in enumerate(model.blocks):
             model.blocks[i] = torch.compile(block, backend="aot_eager", fullgraph=True)
     model.shard(mesh)
+    if compiled == "methods":
+        for block in model.blocks[::2]:
+            block.halved = torch.compile(block.halved, backend="aot_eager")
     sched = None if mode == "plain" else attach(model, PrefetchConfig(mode=mode))
     if compiled == "whole":
         model.compile(backend="aot_eager")
-    run = train(model, w, sched, STEPS)
+    run = train(model, w, sched, STEPS, iterate=run_through_loss if name == "method_calls" else run_iteration)
     return run | {
         "graph_breaks": sum(counters["graph_break"].values()),
         "graphs": counters["stats"]["unique_graphs"],

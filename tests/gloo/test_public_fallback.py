@@ -14,7 +14,7 @@ from fsdp_replay._compat import PUBLIC_API_ENV
 from fsdp_replay.testing.compare import assert_trains_like_plain, train
 from fsdp_replay.testing.distributed import spawn
 from fsdp_replay.testing.observer import DemandObserver
-from fsdp_replay.testing.workloads import canonical_workloads, run_iteration, workload
+from fsdp_replay.testing.workloads import canonical_workloads, method_call_workload, run_iteration, run_through_loss, workload
 
 MODES = ("plain", "demand", "static", "record_and_replay")
 WORKLOADS = [w.name for w in canonical_workloads()]
@@ -39,8 +39,17 @@ def _train(mesh, name: str, mode: str) -> dict:
     }
 
 
+def _train_method_calls(mesh, mode: str) -> dict:
+    """The root and the even blocks through registered forward methods, which the fallback does not see."""
+    w = method_call_workload()
+    model = w.make_model().shard(mesh)
+    sched = None if mode == "plain" else attach(model, PrefetchConfig(mode=mode))
+    return train(model, w, sched, STEPS, iterate=run_through_loss)
+
+
 def _all(mesh) -> dict:
-    return {(n, m): _train(mesh, n, m) for n in WORKLOADS for m in MODES}
+    runs = {(n, m): _train(mesh, n, m) for n in WORKLOADS for m in MODES}
+    return runs | {("method_calls", m): _train_method_calls(mesh, m) for m in MODES}
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +59,7 @@ def fallback_runs():
         return spawn(_all, timeout_s=600)
 
 
-@pytest.mark.parametrize("name", WORKLOADS)
+@pytest.mark.parametrize("name", WORKLOADS + ["method_calls"])
 def test_every_mode_is_bitwise_equal_to_plain_fsdp2_on_the_public_api(fallback_runs, name):
     for rank_result in fallback_runs:
         assert_trains_like_plain(rank_result, name, MODES[1:])

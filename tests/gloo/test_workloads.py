@@ -10,7 +10,15 @@ from fsdp_replay.testing.contenders import REUSE, contender_config
 from fsdp_replay.testing.compare import assert_trains_like_plain, train
 from fsdp_replay.testing.distributed import spawn
 from fsdp_replay.testing.observer import DemandObserver
-from fsdp_replay.testing.workloads import canonical_workloads, conditional_workloads, nested_workloads, run_iteration, workload
+from fsdp_replay.testing.workloads import (
+    canonical_workloads,
+    conditional_workloads,
+    method_call_workload,
+    nested_workloads,
+    run_iteration,
+    run_through_loss,
+    workload,
+)
 
 MODES = ("plain", "demand", "static", "record_and_replay", REUSE)
 WORKLOADS = [w.name for w in canonical_workloads()]
@@ -234,3 +242,30 @@ def test_steps_given_up_after_their_forward_keep_replaying_the_order():
         assert run["stats"]["recordings"] == 1 and run["stats"]["divergences"] == 0, run["stats"]
         for observed in run["observed"][1:]:
             assert {kind for _, _, kind in observed} <= {"hit", "resident"}, observed
+
+
+def _method_calls_all_modes(mesh) -> dict:
+    w = method_call_workload()
+    runs = {}
+    for explicit_scope in (True, False):
+        for mode in MODES:
+            model = w.make_model().shard(mesh)
+            sched = None if mode == "plain" else attach(model, contender_config(mode))
+            run = train(model, w, sched, STEPS, scoped=explicit_scope, iterate=run_through_loss)
+            runs[(explicit_scope, mode)] = run | {"stats": sched.stats.as_dict() if sched else None}
+    return runs
+
+
+def test_units_run_through_registered_forward_methods_train_bitwise():
+    """The root and the even blocks run through ``register_fsdp_forward_method`` methods, in explicit
+    and automatic scopes (a root's method opens none: its forward demands are only counted)."""
+    per_step = 2 * 5  # a forward and a backward demand of each unit (the root and 4 blocks)
+    for rank_result in spawn(_method_calls_all_modes, timeout_s=300):
+        for explicit_scope in (True, False):
+            runs = {("method_calls", mode): run for (scoped, mode), run in rank_result.items() if scoped is explicit_scope}
+            assert_trains_like_plain(runs, "method_calls", MODES[1:])
+            # every demand seen, the method calls' forwards included
+            assert runs[("method_calls", "demand")]["stats"]["demands"] == STEPS * per_step
+        stats = rank_result[(True, "record_and_replay")]["stats"]
+        assert stats["recordings"] == 1 and stats["divergences"] == 0, stats
+        assert stats["misses"] < per_step, stats  # in its recording step only
