@@ -83,6 +83,7 @@ class ScopeLifecycle:
             self._roots.lazy_init()
         if explicit:
             scope.strategy.provide()  # the scope's first gathers go out before its first forward
+            self._window.note_versions()  # the user's code may change the parameters before it
         # An automatic scope opens inside the root's pre-forward, which is already its first
         # demand: that demand gathers at the point of use, and replay starts from there.
         return scope

@@ -26,6 +26,7 @@ _DEMAND = Event.demand
 """Read per demand: see [Note: Enum members on the per-demand path] in ``scheduler.py``."""
 _OPENS_SCOPE = Why(MissReason.automatic_scope_start, "it opens the scope, inside the root's forward")
 _OPENS_BACKWARD_SCOPE = Why(MissReason.automatic_scope_start, "it opens the scope: a backward with no scope open")
+_CHANGED_IN_PLACE = Why(MissReason.changed_in_place, "its gather, issued ahead, held their values from before the change")
 
 
 @dataclass(eq=False)
@@ -55,8 +56,9 @@ class Scope:
     """How many of :attr:`served` the scheduler has counted into its stats."""
     demand_only: Why = Why(MissReason.demand_mode)
     """Why the scope prefetches nothing, once it does not: demand mode, or what made it fall back."""
-    taken_over: dict[Unit, str] = field(default_factory=dict)
-    """Units another party resharded or reset since their last demand, and whose call it was."""
+    undone: dict[Unit, Why] = field(default_factory=dict)
+    """Units whose gather or keep was undone since their last demand, and by what: another party's
+    reshard or reset, or a change of their parameters (their next miss is blamed on it)."""
     outcome: str = "completed"
     compare_demands: Callable[[], None] | None = None
     """Compares its demands so far across ranks, raising ``RankMismatchError`` if they differ: set
@@ -75,8 +77,8 @@ class Scope:
         if held is not None:
             undone = "dropped its pending gather" if held is Held.prefetched else "resharded it although it was kept"
             return Why(MissReason.dropped, f"FSDP2 {undone} (it does so when it finalizes a backward)")
-        if (who := self.taken_over.get(unit)) is not None:
-            return Why(MissReason.dropped, who)
+        if (undone := self.undone.get(unit)) is not None:
+            return undone
         mode = self.strategy.mode
         if mode is ScopeMode.demand:
             return self.demand_only
@@ -86,8 +88,8 @@ class Scope:
 
     def demanded(self, unit: Unit, phase: Phase, demand: Demand, held: Held | None, why: Why | None) -> int:
         """Log a demand in the timeline; returns its position in the scope."""
-        if self.taken_over:
-            self.taken_over.pop(unit, None)
+        if self.undone:
+            self.undone.pop(unit, None)
         self.timeline.append((_DEMAND, unit, phase, demand, held, why))
         served = self.served
         served.append(demand)
@@ -121,9 +123,15 @@ class Scope:
             return
         who = _compat.other_party(call)
         if undoes:
-            self.taken_over[unit] = who
+            self.undone[unit] = Why(MissReason.dropped, who)
         if held is not None:
             self.timeline.append((Event.taken_over, unit, held, who))
+
+    def parameters_changed(self, released: list[Unit]) -> None:
+        """The window released these units' gathers or keeps: their parameters changed in place
+        since ([Note: parameters changed before a demand] in ``_window.py``)."""
+        for unit in released:
+            self.undone[unit] = _CHANGED_IN_PLACE
 
     def off_order(self, divergence: str | None) -> Why:
         """The last demand missed off the order: it diverged there, or replay tolerated it (skipped

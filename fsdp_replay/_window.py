@@ -67,6 +67,9 @@ class PrefetchWindow:
         and gather, so only these are ever kept."""
         self.timeline = Timeline()
         """The open scope's timeline (the scheduler sets it): each gather issued and keep is appended."""
+        self.unverified: dict[Unit, int] | None = None
+        """Units held while the user's code ran, with their parameters' versions from before it
+        (:meth:`note_versions`); the next demand checks them first (:meth:`verify`)."""
 
     def __len__(self) -> int:
         return len(self._held)
@@ -102,6 +105,35 @@ class PrefetchWindow:
         self._bytes_ahead += unit.unsharded_bytes
         self.timeline.append((_PROVIDED, unit, _PREFETCHED))
         return True
+
+    def note_versions(self) -> None:
+        """The user's code runs next, before any demand (an explicit scope has just started, a
+        backward has just ended): note what each held unit's gather or keep was taken from.
+
+        [Note: parameters changed before a demand]
+        A prefetch issued there holds the values the parameters had then. Code between
+        ``iteration()``'s start and the first forward may change them in place: a checkpoint
+        loaded, EMA weights copied in for an evaluation, a weight sync. Plain FSDP2 gathers at the
+        forward and uses the new values, so the held gather must be dropped. The parameters'
+        version counters say whether they changed (``_compat.param_versions``); every rank changes
+        its shards alike, so every rank drops the same gathers. Noted here once per scope and per
+        backward, checked at the next demand: one attribute test per demand otherwise (about 5
+        Python opcodes of plain FSDP2's ~9,300 a demand; docs/HOST_COST.md).
+        """
+        self.unverified = {unit: _compat.param_versions(unit.state) for unit in self._held} or None
+
+    def verify(self) -> list[Unit]:
+        """Release each unit :meth:`note_versions` noted whose parameters changed since: its gather
+        or keep holds their old values (FSDP2 gathers it again at its demand). Returns them."""
+        noted, self.unverified = self.unverified, None
+        changed = [
+            unit
+            for unit, versions in (noted or {}).items()
+            if unit in self._held and (state := unit.state_or_none()) is not None and _compat.param_versions(state) != versions
+        ]
+        for unit in changed:
+            self.release(unit, "its parameters changed in place before its demand")
+        return changed
 
     def why_not_kept(self, unit: Unit) -> Why | None:
         """Why the in-use ``unit`` may not be kept for its next use rather than resharded; None if it may."""
@@ -194,5 +226,6 @@ class PrefetchWindow:
             self._free(unit, self._held[unit])
         self._held.clear()
         self._skipped.clear()
+        self.unverified = None
         self._bytes_ahead = 0
         return wasted

@@ -91,6 +91,10 @@ class MissReason(str, enum.Enum):
     """The order was recorded with the unit already unsharded, so replay provides nothing for it."""
     dropped = "FSDP2 dropped or resharded a prefetched unit"
     """What the window provided was undone before the demand; the detail says by whom."""
+    changed_in_place = "parameters changed after the gather"
+    """Its parameters were changed in place (a checkpoint loaded, an update under ``torch.no_grad()``)
+    after its gather was issued ahead, inside the scope: the gather held their old values, so it was
+    released and FSDP2 gathered again at the use."""
     cannot_keep = "unit in use could not be kept"
     """It was in use when the order needed it next, and its unsharded values predate an optimizer step."""
     public_fallback = "public-API fallback"

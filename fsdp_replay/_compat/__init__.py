@@ -64,6 +64,7 @@ from fsdp_replay._compat.state import (
     is_sharded_idle,
     may_gather,
     opens_forward,
+    param_versions,
     process_group,
     sharded_params,
     standing,

@@ -9,6 +9,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
 from fsdp_replay._compat import public
@@ -75,6 +76,22 @@ def sharded_params(state: Any) -> list[Any]:
     if not INTERNALS_OK:
         return list(public.managed_params(state))
     return [fsdp_param.sharded_param for fsdp_param in fsdp_params(state)]
+
+
+def param_versions(state: Any) -> int:
+    """The version counters of the unit's sharded parameters and of their local shards, summed.
+
+    Every in-place change made through autograd's view of a parameter raises it:
+    ``load_state_dict``, DCP's ``set_model_state_dict``, an update under ``torch.no_grad()``, an
+    optimizer. A change made through ``.data`` bumps no counter, so it is not seen. (An in-place op
+    on the DTensor bumps its own counter only, one on its local shard the shard's: both are read.
+    FSDP2's padded shard ``_sharded_param_data`` shares its counter with the local shard, a view
+    of the same storage.)
+    """
+    if not INTERNALS_OK:
+        with torch.no_grad():  # to_local() is then the local shard itself, not an autograd view
+            return sum(p._version + p.to_local()._version for p in public.managed_params(state) if isinstance(p, DTensor))
+    return sum(fp.sharded_param._version + fp._sharded_param_data._version for fp in fsdp_params(state))
 
 
 def is_root_initialized_as_child(state: Any) -> bool:

@@ -290,6 +290,22 @@ def _reasons(mesh) -> dict[str, dict]:
 
     run_realigned()
 
+    def run_changed_in_place() -> None:
+        # The user loads a checkpoint inside iteration(), before the forward: the gather issued as
+        # the scope started (layers.0's) holds the values from before it.
+        model = Ordered(mesh, [0, 1, 2, 3])
+        sched = attach(model, rr)
+        _step(model, sched, 0)
+        snapshot = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        with sched.iteration("train"):
+            model.load_state_dict(snapshot)
+            model(model.batch(10)).backward()
+        report = sched.explain("train")
+        out["changed_in_place"] = {"rows": _row_tuples(report), "undone": [(u.unit, u.why, u.wasted) for u in report.undone]}
+        sched.detach()
+
+    run_changed_in_place()
+
     def run_no_scope() -> None:
         chunks = [Ordered(mesh, [0, 1, 2, 3]), Ordered(mesh, [0, 1, 2, 3])]
         sched = attach(chunks, rr)
@@ -403,6 +419,12 @@ def test_the_first_replay_realigns_to_its_recording(reasons) -> None:
     rows = reasons["realigned"]["rows"]
     assert rows[8][:5] == (8, "layers.0", "forward", "miss", MissReason.realigned)
     assert not [r for r in rows[9:] if r[3] == "miss"]
+
+
+def test_parameters_changed_after_the_gather(reasons) -> None:
+    entry = reasons["changed_in_place"]
+    assert _misses(entry["rows"]) == [(0, "layers.0", "forward", MissReason.changed_in_place)]
+    assert entry["undone"] == [("layers.0", "its parameters changed in place before its demand", True)]
 
 
 def test_demands_outside_any_scope_are_counted(reasons) -> None:
