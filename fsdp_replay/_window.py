@@ -108,12 +108,15 @@ class PrefetchWindow:
 
     def note_versions(self) -> None:
         """The user's code runs next, before any demand (an explicit scope has just started, a
-        backward has just ended): note what each held unit's gather or keep was taken from.
+        backward has just ended, an automatic scope's forward has just ended): note what each held
+        unit's gather or keep was taken from.
 
         [Note: parameters changed before a demand]
         A prefetch issued there holds the values the parameters had then. Code between
         ``iteration()``'s start and the first forward may change them in place: a checkpoint
-        loaded, EMA weights copied in for an evaluation, a weight sync. Plain FSDP2 gathers at the
+        loaded, EMA weights copied in for an evaluation, a weight sync; so may code after a step
+        given up after its forward (a rollback), while an automatic scope still holds what it
+        provided for that forward's backward. Plain FSDP2 gathers at the
         forward and uses the new values, so the held gather must be dropped. The parameters'
         version counters say whether they changed (``_compat.param_versions``); every rank changes
         its shards alike, so every rank drops the same gathers. Noted here once per scope and per

@@ -311,6 +311,10 @@ class PrefetchScheduler:
         scope.backwards_pending += backward_follows
         if not scope.backwards_pending:
             self._scopes.end(scope)  # otherwise the scope ends with the last backward
+            return
+        # The user's code runs next: the loss, or a step given up after its forward and a rollback
+        # to a checkpoint, while what was provided for the backward stays held.
+        self._window.note_versions()
 
     def on_backward_end(self, *, finalized_by_caller: bool) -> None:
         """FSDP2's root post-backward callback ran: a segment of the scope ends.

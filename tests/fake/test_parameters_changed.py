@@ -69,3 +69,23 @@ def test_a_change_between_microbatches_releases_the_prefetch_for_the_next_forwar
     assert [(u.unit, u.why) for u in report.undone] == [("<root>", CHANGED)], str(report)
     second_forward = [row for row in report.rows if row.unit == "<root>" and row.phase == "forward"][1]
     assert (second_forward.served, second_forward.reason) == ("miss", MissReason.changed_in_place), str(report)
+
+
+@pytest.mark.parametrize("rollback", [True, False])
+def test_a_rollback_after_a_step_given_up_releases_what_was_held_for_its_backward(mesh8, rollback):
+    # Automatic scopes: a step given up after its forward (its loss was not finite) leaves its scope
+    # waiting for a backward, holding the last block kept and the next block's gather; the user
+    # rolls back to a checkpoint (or not), and the next step's forward joins that scope.
+    w = workload("sequential")
+    model = w.make_model().shard(mesh8)
+    sched = attach(model)
+    for step in range(2):
+        run_iteration(model, w, step)
+    snapshot = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model(w.make_batch(2, 0))
+    wasted = sched.stats.wasted
+    if rollback:
+        model.load_state_dict(snapshot)
+    run_iteration(model, w, 3)
+    # blocks.3 kept and blocks.2's gather: used by the next forward, or released as stale.
+    assert sched.stats.wasted - wasted == (2 if rollback else 0)

@@ -67,6 +67,31 @@ def fallback_results():
         return spawn(_all_runs, ("sequential",), (True,), timeout_s=600)
 
 
+def _rollback_runs(mesh) -> dict:
+    """Automatic scopes; the third step is given up after its forward (no backward, no optimizer
+    step) and the model rolled back to its first state with ``load_state_dict``."""
+    runs = {}
+    for name in ("sequential", "checkpointed"):
+        w = workload(name)
+        for mode in MODES:
+            model = w.make_model().shard(mesh)
+            snapshot = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            sched = None if mode == "plain" else attach(model, contender_config(mode))
+            opt = torch.optim.SGD(model.parameters(), lr=0.05)
+            run: dict[str, list] = {"losses": [], "grads": []}
+            for step in range(5):
+                if step == 2:
+                    model(w.make_batch(step, 0))  # its loss was not finite, say
+                    model.load_state_dict(snapshot)
+                    continue
+                run["losses"].append(run_iteration(model, w, step))
+                run["grads"].append([None if p.grad is None else p.grad.to_local().clone() for p in model.parameters()])
+                opt.step()
+                opt.zero_grad()
+            runs[(name, mode)] = run
+    return runs
+
+
 @pytest.mark.parametrize("case", [f"{n}/{c}/{s}" for n in WORKLOADS for c in CHANGES for s in ("explicit", "automatic")])
 def test_every_mode_trains_bitwise_like_plain_fsdp2_making_the_same_changes(results, case):
     for runs, _ in results:
@@ -84,3 +109,9 @@ def test_replay_released_its_first_gathers_where_the_change_followed_them(result
         for (case, mode), n in wasted.items():
             if mode.startswith("record_and_replay") and case.endswith("explicit"):
                 assert n >= 3, (case, mode, n)  # each replayed step's first gather, issued at the scope's start
+
+
+def test_a_rollback_after_a_step_given_up_trains_bitwise_like_plain_fsdp2():
+    for runs in spawn(_rollback_runs, timeout_s=600):
+        for name in ("sequential", "checkpointed"):
+            assert_trains_like_plain(runs, name, MODES[1:])
