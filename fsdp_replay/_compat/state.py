@@ -83,10 +83,11 @@ def param_versions(state: Any) -> int:
 
     Every in-place change made through autograd's view of a parameter raises it:
     ``load_state_dict``, DCP's ``set_model_state_dict``, an update under ``torch.no_grad()``, an
-    optimizer. A change made through ``.data`` bumps no counter, so it is not seen. (An in-place op
-    on the DTensor bumps its own counter only, one on its local shard the shard's: both are read.
-    FSDP2's padded shard ``_sharded_param_data`` shares its counter with the local shard, a view
-    of the same storage.)
+    optimizer (a step is also seen by its own hook). A change made through ``.data`` or by a
+    ``torch._foreach_*`` in-place op on the DTensors bumps no counter (torch 2.13), so it is not
+    seen. (An in-place op on the DTensor bumps its own counter only, one on its local shard the
+    shard's: both are read. FSDP2's padded shard ``_sharded_param_data`` shares its counter with
+    the local shard, a view of the same storage.)
     """
     if not INTERNALS_OK:
         with torch.no_grad():  # to_local() is then the local shard itself, not an autograd view
