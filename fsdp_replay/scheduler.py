@@ -342,8 +342,10 @@ class PrefetchScheduler:
     def on_demand(self, unit: Unit, phase: Phase) -> None:
         """``unit`` needs its parameters now, before FSDP2 acts on the demand."""
         scope = self._scopes.open
-        if self._window.unverified is not None and scope is not None:
-            scope.parameters_changed(self._window.verify())  # [Note: parameters changed before a demand] in _window.py
+        if self._window.unverified is not None:  # [Note: parameters changed before a demand] in _window.py
+            changed = self._window.verify()
+            if scope is not None:
+                scope.parameters_changed(changed)
         if scope is None and not phase.in_forward and self._automatic.on:
             scope = self._scopes.begin(AUTO_KEY_BACKWARD, explicit=False)  # ends with this backward
         demand = _compat.classify_demand(unit.state, backward=phase is _BACKWARD)
