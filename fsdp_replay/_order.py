@@ -205,6 +205,10 @@ class ExecutionOrder:
         self.conditional = any(e.share < 1.0 for e in self.entries)
         """Some entries ran in only some of the recorded scopes: data decides which units run, so
         with ``check_ranks`` each replayed scope's demands are compared across ranks at its end."""
+        last = self.entries[-1].segment if self.entries else 0
+        self.last_segment_start = next((i for i, e in enumerate(self.entries) if e.segment == last), 0)
+        """Where the last segment begins: what a scope running more microbatches than recorded
+        repeats (see [Note: more microbatches than recorded])."""
 
     def lookahead(self, depth: Depth, reuse_distance: int = 0) -> tuple[Lookahead, ...]:
         """Per position, what a refill there may provide for; computed once per depth and distance.
@@ -483,6 +487,20 @@ class Cursor:
             if entry.segment > segment:
                 return None
             if entry.unit is unit and entry.phase is phase:
+                return position
+        return None
+
+    def repeat(self, unit: Unit, phase: Phase) -> int | None:
+        """Past the order's end after its last backward ended, the position of ``(unit, phase)`` in
+        another pass of the last segment, which the cursor then walks; None (and no move) where it
+        is not past the end or the segment lacks it. See [Note: more microbatches than recorded]."""
+        entries = self._entries
+        if self.position < len(entries) or not entries or self.segment <= (last := entries[-1].segment):
+            return None
+        start = self.order.last_segment_start
+        for position in range(start, len(entries)):
+            if entries[position].matches(unit, phase):
+                self.position, self.segment = start, last
                 return position
         return None
 

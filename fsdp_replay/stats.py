@@ -73,6 +73,10 @@ class MissReason(str, enum.Enum):
     skipped_ahead = "came after skipped entries"
     """Recorded entries before this demand did not run this time (a unit the data skipped): replay
     moved on to it, released what it had provided for them, and prefetches on from here."""
+    more_microbatches = "more microbatches than recorded"
+    """The scope went on past its recorded order after its last backward (more microbatches than its
+    key recorded: a batch-size ramp-up, dynamic batching): this demand started another pass of the
+    order's last segment, which replay follows from here, providing for the rest."""
     not_in_order = "not in the recorded order"
     """The order has no entry for this demand here (a unit its recorded scopes did not run): it is
     gathered at its use, and replay continues where it was."""

@@ -306,6 +306,18 @@ def _reasons(mesh) -> dict[str, dict]:
 
     run_changed_in_place()
 
+    def run_more_microbatches() -> None:
+        # Recorded with 2 microbatches, then a step of 3 (a batch-size ramp-up): the third
+        # microbatch's first demand starts another pass of the order's last segment.
+        model = Ordered(mesh, [0, 1, 2, 3])
+        sched = attach(model, rr)
+        _step(model, sched, 0, microbatches=2)
+        _step(model, sched, 1, microbatches=3)
+        out["more_microbatches"] = {"rows": _row_tuples(sched.explain("train")), "stats": sched.stats.as_dict()}
+        sched.detach()
+
+    run_more_microbatches()
+
     def run_no_scope() -> None:
         chunks = [Ordered(mesh, [0, 1, 2, 3]), Ordered(mesh, [0, 1, 2, 3])]
         sched = attach(chunks, rr)
@@ -425,6 +437,13 @@ def test_parameters_changed_after_the_gather(reasons) -> None:
     entry = reasons["changed_in_place"]
     assert _misses(entry["rows"]) == [(0, "layers.0", "forward", MissReason.changed_in_place)]
     assert entry["undone"] == [("layers.0", "its parameters changed in place before its demand", True)]
+
+
+def test_more_microbatches_than_recorded(reasons) -> None:
+    entry = reasons["more_microbatches"]
+    assert len(entry["rows"]) == 3 * 8
+    assert _misses(entry["rows"]) == [(16, "layers.0", "forward", MissReason.more_microbatches)]
+    assert entry["stats"]["divergences"] == 0 and entry["stats"]["recordings"] == 1
 
 
 def test_demands_outside_any_scope_are_counted(reasons) -> None:

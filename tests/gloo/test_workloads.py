@@ -184,10 +184,27 @@ def _every_other_step_given_up(model, w, step: int) -> list[float]:
     return run_iteration(model, w, step)
 
 
+MICROBATCHES = [2, 3, 1, 4]
+"""Microbatches per step of ``varying_microbatches`` (a batch-size ramp-up, dynamic batching)."""
+
+
+def _varying_microbatches(model, w, step: int) -> list[float]:
+    """Gradient accumulation over ``MICROBATCHES[step]`` microbatches, reduced at the last."""
+    count = MICROBATCHES[step]
+    losses = []
+    for mb in range(count):
+        model.set_requires_gradient_sync(mb == count - 1)
+        loss = model(w.make_batch(step, mb))
+        loss.backward()
+        losses.append(loss.item())
+    return losses
+
+
 LOOPS = {
     "two_forwards": _two_forwards_per_loss,
     "two_backwards": _two_backwards_through_one_graph,
     "given_up": _every_other_step_given_up,
+    "varying_microbatches": _varying_microbatches,
 }
 """Steps whose forwards and backwards do not pair one to one."""
 
@@ -242,6 +259,21 @@ def test_steps_given_up_after_their_forward_keep_replaying_the_order():
         assert run["stats"]["recordings"] == 1 and run["stats"]["divergences"] == 0, run["stats"]
         for observed in run["observed"][1:]:
             assert {kind for _, _, kind in observed} <= {"hit", "resident"}, observed
+
+
+def test_steps_running_more_or_fewer_microbatches_than_recorded_keep_replaying_the_order():
+    """Recorded with 2 microbatches, then steps of 3, 1 and 4 inside ``iteration()``: each extra
+    microbatch replays the order's last segment again, missing only its first demand ([Note: more
+    microbatches than recorded]); it used to miss every demand past the order's end, and the step
+    of 4 diverged (it matched half the order) and the next step re-recorded."""
+    for rank_result in spawn(_loop_all_modes, "varying_microbatches", True, timeout_s=300):
+        assert_trains_like_plain(rank_result, "varying_microbatches", MODES[1:])
+        run = rank_result[("varying_microbatches", "record_and_replay")]
+        assert run["stats"]["recordings"] == 1 and run["stats"]["divergences"] == 0, run["stats"]
+        for count, observed in zip(MICROBATCHES[1:], run["observed"][1:]):
+            per_microbatch = len(observed) // count
+            misses = [i for i, (_, _, kind) in enumerate(observed) if kind == "miss"]
+            assert misses == [per_microbatch * mb for mb in range(2, count)], observed
 
 
 def _method_calls_all_modes(mesh) -> dict:

@@ -202,6 +202,28 @@ def test_cursor_finds_a_demand_further_on_in_its_segment_only():
     assert cursor.find(c, Phase.backward) == 2
 
 
+def test_cursor_repeats_the_last_segment_only_past_the_end_after_the_last_backward():
+    (a, b, c), _ = _units("a", "b", "c")
+    F, B = Phase.forward, Phase.backward
+    # Two microbatches: a, b forward then b, a backward in each; c only in the first.
+    order = ExecutionOrder(
+        [Entry(c, F, True), Entry(a, F, True), Entry(b, F, True), Entry(b, B, True), Entry(a, B, True)]
+        + [Entry(a, F, True, 1), Entry(b, F, True, 1), Entry(b, B, True, 1), Entry(a, B, True, 1)]
+    )
+    assert order.last_segment_start == 5
+    cursor = Cursor(order)
+    assert cursor.repeat(a, F) is None  # not past the end
+    cursor.position = len(order)
+    cursor.end_backward()
+    assert cursor.repeat(a, F) is None and cursor.position == len(order)  # the last backward has not ended
+    cursor.end_backward()
+    assert cursor.repeat(c, F) is None and cursor.position == len(order)  # not in the last segment
+    assert cursor.repeat(b, F) == 6  # found further on: the caller skips the entry before it
+    assert (cursor.position, cursor.segment) == (5, 1)
+    assert [e.unit for e in cursor.lookahead().entries] == [a, b]
+    assert ExecutionOrder([]).last_segment_start == 0
+
+
 def test_an_order_dropped_again_within_warn_every_scopes_warns_once(caplog):
     (a,), _ = _units("a")
     orders = RecordedOrders()
