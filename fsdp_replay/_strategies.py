@@ -114,9 +114,9 @@ _NOT_IN_ORDER = Why(MissReason.not_in_order)
 # end off it (all gathered at their use: 9 misses per extra microbatch of the 4-block workloads,
 # against 0 in the recorded ones), and a scope running twice the recorded count matched too little
 # of it and diverged, so the next scope re-recorded with no prefetch at all (a ramp from 2 to 4
-# microbatches: 36 misses in that step; probe in the commit). A segment is the part of a scope
-# between two ends of backward, which in gradient accumulation is one microbatch; so after the
-# order's last backward ended, a demand found in its last segment starts another pass of that
+# microbatches on the fake backend: 36 misses in the step after it). A segment is the part of a
+# scope between two ends of backward, which in gradient accumulation is one microbatch; so after
+# the order's last backward ended, a demand found in its last segment starts another pass of that
 # segment (``Cursor.repeat``), replayed like the first: only the extra microbatch's first demand
 # misses (nothing is provided at the last backward's end, where most scopes end). The recorded
 # order is kept; a scope running fewer microbatches than that afterwards stops short of it.
@@ -259,7 +259,8 @@ class Replay:
                 left = f"diverged at demand {at - len(passed)}: expected {passed[0].describe()}, got {got}"
                 for entry in passed:
                     self._skipped.setdefault((entry.unit, entry.phase), (index, left))
-                self.tolerated = tolerated or Why(MissReason.skipped_ahead, f"{len(passed)} recorded entries before it did not run")
+                skipped_ahead = Why(MissReason.skipped_ahead, f"{len(passed)} recorded entries before it did not run")
+                self.tolerated = tolerated or skipped_ahead
                 self._skip(passed, f"skipped by demand {index} {got}")
             return None
         if (skipped := self._skipped.get((unit, phase))) is not None:
