@@ -490,6 +490,13 @@ class Cursor:
                 return position
         return None
 
+    @property
+    def between_segments(self) -> bool:
+        """A backward ended since the last entry walked, which ended its segment: the scope stands
+        between two microbatches of gradient accumulation, say (not past the order's end)."""
+        position = self.position
+        return 0 < position < len(self._entries) and self.segment > self._entries[position - 1].segment
+
     def repeat(self, unit: Unit, phase: Phase) -> int | None:
         """Past the order's end after its last backward ended, the position of ``(unit, phase)`` in
         another pass of the last segment, which the cursor then walks; None (and no move) where it

@@ -120,12 +120,26 @@ _NOT_IN_ORDER = Why(MissReason.not_in_order)
 # segment (``Cursor.repeat``), replayed like the first: only the extra microbatch's first demand
 # misses (nothing is provided at the last backward's end, where most scopes end). The recorded
 # order is kept; a scope running fewer microbatches than that afterwards stops short of it.
+# Such a scope ended between two segments (``Cursor.between_segments``), having run whole
+# microbatches, and is always tolerated: the rule that a second short scope in a row matching too
+# little of the order diverges (a loop that changed) would otherwise make a step of 2 after one
+# of 3 re-record a 4-microbatch order (4 steps with no prefetch where ``record_steps=4``). A key
+# whose steps now always run fewer keeps its order, and each step's last backward end gathers for
+# a microbatch that does not come (counted wasted); ``iteration(key, rerecord=True)`` records the
+# new count. A first replay running fewer is no exception: its demands match the order's last
+# segments as well as its first, and the prefix rule's realignment at a scope's end used to take
+# them for the order after a one-off prefix and trim it (a merged order of 2, 3, 2 and 4
+# microbatches lost its first segment, and its third microbatch, now in 25% of the scopes, was no
+# longer prefetched). That realignment is not tried between segments: a one-off prefix ending at
+# a backward's end is a pipeline's shape inference, after which every unit is resharded, and the
+# likely start skips it from the first demand on.
 
 MIN_MATCHED = 0.5
 """A replayed scope whose matched demands are not more than this share of its demands plus the
 entries it skipped ran another order (a forward-only scope of a forward-and-backward order, for
 one): it diverges (see [Note: skipped entries and a changed order]), unless it stopped short and
-the key's replayed scope before it did not.
+the key's replayed scope before it did not, or it stopped short between two segments (fewer
+microbatches: [Note: more microbatches than recorded]).
 
 [Note: a scope that stops short]
 A training loop may give up a step after its forward (a loss that is not finite: no backward, no
@@ -135,7 +149,9 @@ warning, for a step that is the exception. So a replayed scope that stopped shor
 like the early end of a scope that ran most of its order: the entries it never reached are
 skipped, what was provided for them is released. Only a second scope of the key in a row that
 stops short, matching too little of the order for MIN_MATCHED, diverges: the loop changed (the key
-now runs forward only, say), and the next scope records the order it runs now.
+now runs forward only, say), and the next scope records the order it runs now. One that stopped
+between two segments ran fewer microbatches, which is always tolerated ([Note: more microbatches
+than recorded]).
 """
 _BYTE_CAP = Why(MissReason.byte_cap, "max_prefetch_bytes would be exceeded")
 _DEPTH_REACHED = Why(MissReason.depth, "the depth's gathers were already in flight")
@@ -349,13 +365,15 @@ class Replay:
         """Why a scope ending now left its order: too few of its demands matched it (the entries
         it never reached are skipped); None if it kept to it, or ``may_stop_short`` and it
         :attr:`stopped_short` (see [Note: a scope that stops short])."""
-        if self._passed == 0 and self._matched == self._demands and (self.cursor.done or self._realign(at_end=True)):
-            return None
-        short = self.stopped_short
         cursor = self.cursor  # the prefix rule may have followed another suffix
+        if self._passed == 0 and self._matched == self._demands:
+            # Between segments: fewer microbatches than recorded ([Note: more microbatches than recorded]).
+            if cursor.done or (not cursor.between_segments and self._realign(at_end=True)):
+                return None
+        short = self.stopped_short
         rest = cursor.order.entries[cursor.position :]
         considered = self._demands + self._passed + len(rest)
-        if self._matched > MIN_MATCHED * considered or (short and may_stop_short):
+        if self._matched > MIN_MATCHED * considered or (short and (may_stop_short or cursor.between_segments)):
             self._skip(rest, "the scope ended before it")
             return None
         return (

@@ -12,11 +12,11 @@ from fsdp_replay.testing.observer import DemandObserver, held_units
 from fsdp_replay.testing.workloads import workload
 
 
-def _steps(mesh, name: str, counts: list[int]) -> list[dict]:
+def _steps(mesh, name: str, counts: list[int], *, record_steps: int = 1) -> list[dict]:
     """One explicit scope per step, ``counts[step]`` microbatches of forward then backward each."""
     w = workload(name)
     model = w.make_model().shard(mesh)
-    sched = attach(model, PrefetchConfig())
+    sched = attach(model, PrefetchConfig(record_steps=record_steps))
     observer = DemandObserver(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     steps = []
@@ -35,6 +35,7 @@ def _steps(mesh, name: str, counts: list[int]) -> list[dict]:
                 "observed": DemandObserver.counts(observer.take()),
                 "reasons": [row.reason for row in report.rows if row.served.value == "miss"],
                 "held": held_units(model),
+                "order": len(sched.recorded_order("train") or ()),
             }
         )
         opt.step()
@@ -61,3 +62,19 @@ def test_a_step_with_fewer_microbatches_after_more_keeps_the_order(mesh8):
     steps = _steps(mesh8, "sequential", [3, 5, 3, 2, 3])
     assert [s["stats"]["misses"] for s in steps[1:]] == [2, 0, 0, 0]
     assert sum(s["stats"]["recordings"] for s in steps) == 1
+
+
+@pytest.mark.parametrize("record_steps", [1, 4])
+def test_a_first_replay_with_fewer_microbatches_stops_short_and_keeps_the_order(mesh8, record_steps):
+    """Its demands match the order's last segments as well as its first: it used to be taken for the
+    order after a one-off prefix, which was trimmed (later steps of 4 then missed a demand each, and
+    a merged order's shares moved up a microbatch: its third ran in 25% of the scopes). A second
+    short step in a row that ran half the order (2 of 4 microbatches) is tolerated too; it used to
+    diverge."""
+    counts = [4, 3, 2, 4] if record_steps == 1 else [2, 3, 2, 4, 3, 3, 2]
+    steps = _steps(mesh8, "sequential", counts, record_steps=record_steps)
+    replayed = steps[record_steps:]
+    per_microbatch = steps[0]["stats"]["demands"] // counts[0]
+    assert {s["order"] for s in replayed} == {4 * per_microbatch}
+    assert [s["stats"]["misses"] for s in replayed] == [0] * len(replayed)
+    assert sum(s["stats"]["divergences"] for s in steps) == 0

@@ -184,8 +184,9 @@ def _every_other_step_given_up(model, w, step: int) -> list[float]:
     return run_iteration(model, w, step)
 
 
-MICROBATCHES = [2, 3, 1, 4]
-"""Microbatches per step of ``varying_microbatches`` (a batch-size ramp-up, dynamic batching)."""
+MICROBATCHES = [3, 2, 1, 4]
+"""Microbatches per step of ``varying_microbatches`` (dynamic batching, an epoch's remainder, a
+batch-size ramp-up)."""
 
 
 def _varying_microbatches(model, w, step: int) -> list[float]:
@@ -214,7 +215,7 @@ def _train_loop(mesh, loop: str, mode: str, explicit_scope: bool) -> dict:
     model = w.make_model().shard(mesh)
     sched = None if mode == "plain" else attach(model, contender_config(mode))
     run = train(model, w, sched, STEPS, scoped=explicit_scope, observer=DemandObserver(model), iterate=LOOPS[loop])
-    orders = {key: sched.recorded_order(key) for key in ("auto:grad", "auto:backward")} if sched else None
+    orders = {key: sched.recorded_order(key) for key in ("train", "auto:grad", "auto:backward")} if sched else None
     return run | {"stats": sched.stats.as_dict() if sched else None, "orders": orders}
 
 
@@ -262,18 +263,20 @@ def test_steps_given_up_after_their_forward_keep_replaying_the_order():
 
 
 def test_steps_running_more_or_fewer_microbatches_than_recorded_keep_replaying_the_order():
-    """Recorded with 2 microbatches, then steps of 3, 1 and 4 inside ``iteration()``: each extra
-    microbatch replays the order's last segment again, missing only its first demand ([Note: more
-    microbatches than recorded]); it used to miss every demand past the order's end, and the step
-    of 4 diverged (it matched half the order) and the next step re-recorded."""
+    """Recorded with 3 microbatches, then steps of 2, 1 and 4 inside ``iteration()``: the shorter
+    ones stop short of the order, and each extra microbatch replays the order's last segment again,
+    missing only its first demand ([Note: more microbatches than recorded]). The first replay used
+    to trim the order to its last 2 microbatches (a one-off prefix, it thought), the step of 1 then
+    diverged (a second short step in a row), and every demand past the order's end missed."""
     for rank_result in spawn(_loop_all_modes, "varying_microbatches", True, timeout_s=300):
         assert_trains_like_plain(rank_result, "varying_microbatches", MODES[1:])
         run = rank_result[("varying_microbatches", "record_and_replay")]
         assert run["stats"]["recordings"] == 1 and run["stats"]["divergences"] == 0, run["stats"]
+        assert len(run["orders"]["train"]) == len(run["observed"][0])  # as recorded
         for count, observed in zip(MICROBATCHES[1:], run["observed"][1:]):
             per_microbatch = len(observed) // count
             misses = [i for i, (_, _, kind) in enumerate(observed) if kind == "miss"]
-            assert misses == [per_microbatch * mb for mb in range(2, count)], observed
+            assert misses == [per_microbatch * mb for mb in range(MICROBATCHES[0], count)], observed
 
 
 def _method_calls_all_modes(mesh) -> dict:

@@ -213,6 +213,11 @@ def test_cursor_repeats_the_last_segment_only_past_the_end_after_the_last_backwa
     assert order.last_segment_start == 5
     cursor = Cursor(order)
     assert cursor.repeat(a, F) is None  # not past the end
+    cursor.position = 5
+    assert not cursor.between_segments  # the first segment's backward has not ended
+    cursor.end_backward()
+    assert cursor.between_segments
+    cursor.segment = 0
     cursor.position = len(order)
     cursor.end_backward()
     assert cursor.repeat(a, F) is None and cursor.position == len(order)  # the last backward has not ended
