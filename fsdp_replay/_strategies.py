@@ -363,8 +363,8 @@ class Replay:
 
     def unfinished(self, *, may_stop_short: bool) -> str | None:
         """Why a scope ending now left its order: too few of its demands matched it (the entries
-        it never reached are skipped); None if it kept to it, or ``may_stop_short`` and it
-        :attr:`stopped_short` (see [Note: a scope that stops short])."""
+        it never reached are skipped); None if it kept to it, or it :attr:`stopped_short` and
+        ``may_stop_short`` or between two segments (see [Note: a scope that stops short])."""
         cursor = self.cursor  # the prefix rule may have followed another suffix
         if self._passed == 0 and self._matched == self._demands:
             # Between segments: fewer microbatches than recorded ([Note: more microbatches than recorded]).
