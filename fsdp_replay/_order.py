@@ -504,12 +504,11 @@ class Cursor:
         entries = self._entries
         if self.position < len(entries) or not entries or self.segment <= (last := entries[-1].segment):
             return None
-        start = self.order.last_segment_start
-        for position in range(start, len(entries)):
-            if entries[position].matches(unit, phase):
-                self.position, self.segment = start, last
-                return position
-        return None
+        past_the_end = self.position, self.segment
+        self.position, self.segment = self.order.last_segment_start, last
+        if (at := self.find(unit, phase)) is None:
+            self.position, self.segment = past_the_end
+        return at
 
     def end_backward(self) -> None:
         self.segment += 1

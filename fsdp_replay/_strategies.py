@@ -270,14 +270,13 @@ class Replay:
             passed = cursor.order.entries[cursor.position : at]
             cursor.position = at + 1
             self._matched += 1
-            self.tolerated = tolerated
-            if passed:  # always, but at the first entry of a repeated segment
+            if passed:
                 left = f"diverged at demand {at - len(passed)}: expected {passed[0].describe()}, got {got}"
                 for entry in passed:
                     self._skipped.setdefault((entry.unit, entry.phase), (index, left))
-                skipped_ahead = Why(MissReason.skipped_ahead, f"{len(passed)} recorded entries before it did not run")
-                self.tolerated = tolerated or skipped_ahead
                 self._skip(passed, f"skipped by demand {index} {got}")
+            skipped_ahead = Why(MissReason.skipped_ahead, f"{len(passed)} recorded entries before it did not run")
+            self.tolerated = tolerated or skipped_ahead  # passed is empty only at a repeated segment's first entry
             return None
         if (skipped := self._skipped.get((unit, phase))) is not None:
             self.left_at, left = skipped
