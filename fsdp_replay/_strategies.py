@@ -101,9 +101,12 @@ _NOT_IN_ORDER = Why(MissReason.not_in_order)
 # *skipped* (what was provided for them and is not needed next is released at once, counted as
 # wasted); a demand the segment does not have further on is gathered at its use and the cursor
 # stays. Skips never reorder, so two things tell a changed order from skips: a demand of an entry
-# this scope skipped (it came after entries recorded after it: the order is reordered, e.g. two
-# blocks swapped), which diverges at once and names the demand where the order was left; and, at
-# the scope's end, no more than MIN_MATCHED of its demands and skipped entries matching the order.
+# skipped earlier in the same segment (it came after entries recorded after it: the order is
+# reordered, e.g. two blocks swapped), which diverges at once and names the demand where the order
+# was left; and, at the scope's end, no more than MIN_MATCHED of its demands and skipped entries
+# matching the order. Another segment is another microbatch, which may run what this one skipped
+# (multi-task training: each microbatch through the head its batch picks), so skips are forgotten
+# at each end of backward.
 # Every decision rests on the order and the scope's demands, which all ranks share, so ranks
 # skip, release and prefetch alike.
 
@@ -228,7 +231,7 @@ class Replay:
         self._passed = 0
         """Entries skipped so far."""
         self._skipped: dict[tuple[Unit, Phase], tuple[int, str]] = {}
-        """Entries skipped so far in the scope: the demand that skipped each, and where the order was left there."""
+        """Entries skipped so far in the segment: the demand that skipped each, and where the order was left there."""
         self._ran: set[Unit] = set()
         """Units demanded in forward so far, where the order is conditional: a sometimes-run unit not
         among them has no backward to provide for."""
@@ -264,7 +267,6 @@ class Replay:
         got = f"({unit.fqn!r}, {phase.value!r})"
         tolerated = None
         if (at := cursor.find(unit, phase)) is None and (at := cursor.repeat(unit, phase)) is not None:
-            self._skipped.clear()  # a pass of its own: what the last one skipped may run in this one
             tolerated = _MORE_MICROBATCHES
         if at is not None:
             passed = cursor.order.entries[cursor.position : at]
@@ -318,6 +320,7 @@ class Replay:
 
     def end_backward(self) -> None:
         self.cursor.end_backward()
+        self._skipped.clear()  # the next segment is another microbatch: what this one skipped may run there
 
     def followed_order(self, served: Sequence[Demand]) -> ExecutionOrder:
         """The suffix of the recording this first replay followed (the prefix rule), to keep as the key's order.

@@ -250,6 +250,29 @@ class LoopedModel(CallSequenceModel):
         return super().forward(x)
 
 
+class MultiHeadModel(nn.Module):
+    """Input projection, blocks, and one head unit per task; each forward runs one head, chosen by its
+    batch (multi-task training: each microbatch of a step may be another task's), alike on every rank."""
+
+    def __init__(self, *, dim: int, hidden: int, n_blocks: int, n_heads: int) -> None:
+        super().__init__()
+        self.inp = nn.Linear(dim, dim)
+        self.blocks = nn.ModuleList(Block(dim, hidden) for _ in range(n_blocks))
+        self.heads = nn.ModuleList(nn.Sequential(nn.Linear(dim, hidden), nn.SiLU(), nn.Linear(hidden, 1)) for _ in range(n_heads))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        head = int(torch.randint(len(self.heads), (1,), generator=_seeded_by(x)))
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.heads[head](x).square().mean()
+
+    def shard(self, mesh, **kwargs) -> nn.Module:
+        for module in (*self.blocks, *self.heads):
+            fully_shard(module, mesh=mesh, **kwargs)
+        return fully_shard(self, mesh=mesh, **kwargs)
+
+
 class HalvingBlock(Block):
     """A :class:`Block` with a second forward method, whose residual branch is halved."""
 
@@ -454,6 +477,17 @@ def method_call_workload(*, dim: int = 32, hidden: int = 64, n_blocks: int = 4, 
         _seeded(lambda: MethodCallModel(dim=dim, hidden=hidden, n_blocks=n_blocks)),
         _dense_batch(dim, rows),
         notes="the root and the even blocks run through methods registered with register_fsdp_forward_method",
+    )
+
+
+def multi_head_workload(*, dim: int = 32, hidden: int = 64, n_blocks: int = 4, rows: int = 8) -> Workload:
+    """:class:`MultiHeadModel` with 3 heads, 3 microbatches a step (gradient accumulation)."""
+    return Workload(
+        "multi_head",
+        _seeded(lambda: MultiHeadModel(dim=dim, hidden=hidden, n_blocks=n_blocks, n_heads=3)),
+        _dense_batch(dim, rows),
+        schedule=sequential(3),
+        notes="3 heads as units; each microbatch runs the one its batch picks (multi-task training)",
     )
 
 

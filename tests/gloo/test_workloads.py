@@ -14,6 +14,7 @@ from fsdp_replay.testing.workloads import (
     canonical_workloads,
     conditional_workloads,
     method_call_workload,
+    multi_head_workload,
     nested_workloads,
     run_iteration,
     run_through_loss,
@@ -279,28 +280,49 @@ def test_steps_running_more_or_fewer_microbatches_than_recorded_keep_replaying_t
             assert misses == [per_microbatch * mb for mb in range(MICROBATCHES[0], count)], observed
 
 
-def _method_calls_all_modes(mesh) -> dict:
-    w = method_call_workload()
+BOTH_SCOPES = {"method_calls": (method_call_workload, run_through_loss), "multi_head": (multi_head_workload, run_iteration)}
+"""Workloads run in explicit and automatic scopes alike: how each is built, and one step of it."""
+
+
+def _both_scopes_all_modes(mesh, name: str) -> dict:
+    make_workload, iterate = BOTH_SCOPES[name]
+    w = make_workload()
     runs = {}
     for explicit_scope in (True, False):
         for mode in MODES:
             model = w.make_model().shard(mesh)
             sched = None if mode == "plain" else attach(model, contender_config(mode))
-            run = train(model, w, sched, STEPS, scoped=explicit_scope, iterate=run_through_loss)
+            run = train(model, w, sched, STEPS, scoped=explicit_scope, iterate=iterate)
             runs[(explicit_scope, mode)] = run | {"stats": sched.stats.as_dict() if sched else None}
     return runs
+
+
+def _runs_in(rank_result: dict, name: str, explicit_scope: bool) -> dict:
+    return {(name, mode): run for (scoped, mode), run in rank_result.items() if scoped is explicit_scope}
 
 
 def test_units_run_through_registered_forward_methods_train_bitwise():
     """The root and the even blocks run through ``register_fsdp_forward_method`` methods, in explicit
     and automatic scopes (a root's method opens none: its forward demands are only counted)."""
     per_step = 2 * 5  # a forward and a backward demand of each unit (the root and 4 blocks)
-    for rank_result in spawn(_method_calls_all_modes, timeout_s=300):
+    for rank_result in spawn(_both_scopes_all_modes, "method_calls", timeout_s=300):
         for explicit_scope in (True, False):
-            runs = {("method_calls", mode): run for (scoped, mode), run in rank_result.items() if scoped is explicit_scope}
+            runs = _runs_in(rank_result, "method_calls", explicit_scope)
             assert_trains_like_plain(runs, "method_calls", MODES[1:])
             # every demand seen, the method calls' forwards included
             assert runs[("method_calls", "demand")]["stats"]["demands"] == STEPS * per_step
         stats = rank_result[(True, "record_and_replay")]["stats"]
         assert stats["recordings"] == 1 and stats["divergences"] == 0, stats
         assert stats["misses"] < per_step, stats  # in its recording step only
+
+
+def test_microbatches_through_different_heads_train_bitwise():
+    """Multi-task training: each of a step's 3 microbatches runs the head its batch picks. Replay
+    records once, in explicit scopes too: a head skipped in one microbatch and run in the next used
+    to be taken for a changed order, and the key re-recorded (tests/fake/test_segments.py)."""
+    for rank_result in spawn(_both_scopes_all_modes, "multi_head", timeout_s=300):
+        for explicit_scope in (True, False):
+            runs = _runs_in(rank_result, "multi_head", explicit_scope)
+            assert_trains_like_plain(runs, "multi_head", MODES[1:])
+            stats = runs[("multi_head", "record_and_replay")]["stats"]
+            assert stats["recordings"] == 1 and stats["divergences"] == 0, stats
