@@ -27,6 +27,8 @@ _DEMAND = Event.demand
 _OPENS_SCOPE = Why(MissReason.automatic_scope_start, "it opens the scope, inside the root's forward")
 _OPENS_BACKWARD_SCOPE = Why(MissReason.automatic_scope_start, "it opens the scope: a backward with no scope open")
 _CHANGED_IN_PLACE = Why(MissReason.changed_in_place, "its gather, issued ahead, held their values from before the change")
+_FINALIZED = Why(MissReason.dropped, "FSDP2 dropped its pending gather (it does so when it finalizes a backward)")
+_FINALIZED_KEEP = Why(MissReason.dropped, "FSDP2 resharded it although it was kept (it does so when it finalizes a backward)")
 
 
 @dataclass(eq=False)
@@ -75,8 +77,7 @@ class Scope:
     def why_missed(self, unit: Unit, phase: Phase, held: Held | None) -> Why:
         """Why a demand found its unit neither gathered nor gathering (call before :meth:`demanded`)."""
         if held is not None:
-            undone = "dropped its pending gather" if held is Held.prefetched else "resharded it although it was kept"
-            return Why(MissReason.dropped, f"FSDP2 {undone} (it does so when it finalizes a backward)")
+            return _FINALIZED if held is Held.prefetched else _FINALIZED_KEEP
         if (undone := self.undone.get(unit)) is not None:
             return undone
         mode = self.strategy.mode
@@ -126,6 +127,12 @@ class Scope:
             self.undone[unit] = Why(MissReason.dropped, who)
         if held is not None:
             self.timeline.append((Event.taken_over, unit, held, who))
+
+    def dropped_at_backward_end(self, unit: Unit) -> None:
+        """FSDP2 dropped the gather provided for ``unit`` as it finalized a backward (the window has
+        let it go): its next miss is blamed on that."""
+        self.undone[unit] = _FINALIZED
+        self.timeline.append((Event.taken_over, unit, Held.prefetched, "FSDP2 finalizing a backward"))
 
     def parameters_changed(self, released: list[Unit]) -> None:
         """The window released these units' gathers or keeps: their parameters changed in place

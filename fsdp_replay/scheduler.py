@@ -336,6 +336,9 @@ class PrefetchScheduler:
             if not scope.backwards_pending:
                 self._scopes.end(scope)
                 return
+        for unit in self._window.take_dropped():
+            scope.dropped_at_backward_end(unit)
+            self._scopes.stats.count(scope.key, Count.dropped)
         scope.strategy.provide()
         self._window.note_versions()  # the user's code runs next (another microbatch's forward may follow)
 

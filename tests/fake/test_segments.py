@@ -57,3 +57,14 @@ def test_replay_misses_only_around_a_head_that_its_microbatch_did_not_record(mes
             expected = [] if head == recorded_head else [(head, "forward"), (head, "backward"), ("blocks.3", "backward")]
             assert misses == expected, (recorded_head, microbatch)
     assert heads_differ >= 4  # the batches pick other heads often enough to test something
+
+
+def test_static_serves_each_microbatch_of_a_scope_as_if_it_were_a_scope_of_its_own(mesh8):
+    """Static guesses the next head in module-tree order; where the batch picked another, FSDP2
+    drops that gather as it finalizes the backward. The window used to hold it on until the scope's
+    end, taking static's one depth slot: every later microbatch of the step then missed every demand."""
+    explicit, stats, report = _steps(mesh8, "static")
+    automatic, _, _ = _steps(mesh8, "static", explicit_scope=False)
+    assert explicit == automatic
+    assert stats["dropped"] > 0, stats
+    assert "taken over by others" in report and "FSDP2 finalizing a backward" in report, report
