@@ -20,13 +20,14 @@ def weakly(method: Callable[..., None]) -> Callable[..., None]:
 
 
 class OptimizerSteps:
-    """Calls ``on_step()`` before each ``optimizer.step()`` of an optimizer that holds one of ``params``.
+    """Calls ``on_step(concerned)`` before each ``optimizer.step()``; ``concerned``: the optimizer holds
+    one of ``params`` (else it steps another model's).
 
     The hook is global (torch has no per-module one), so it holds the scheduler weakly
     (:func:`weakly`) and is removed when this object is collected or :meth:`remove` is called.
     """
 
-    def __init__(self, params: Iterable[Any], on_step: Callable[[], None]) -> None:
+    def __init__(self, params: Iterable[Any], on_step: Callable[[bool], None]) -> None:
         self._param_ids = {id(p) for p in params}
         self._concerned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         """Optimizer -> whether it steps any of the parameters (asked once per optimizer)."""
@@ -38,8 +39,8 @@ class OptimizerSteps:
         if optimizer not in self._concerned:
             params = (p for group in optimizer.param_groups for p in group["params"])
             self._concerned[optimizer] = any(id(p) in self._param_ids for p in params)
-        if self._concerned[optimizer] and (on_step := self._on_step()) is not None:
-            on_step()
+        if (on_step := self._on_step()) is not None:
+            on_step(self._concerned[optimizer])
 
     def remove(self) -> None:
         self._hook.remove()

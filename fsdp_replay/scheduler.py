@@ -431,10 +431,21 @@ class PrefetchScheduler:
             _compat.release(unit.state)
         self._scopes.stats.count(scope.key if scope is not None else None, Count.dropped)
 
-    def _on_optimizer_step(self) -> None:
-        """A step of the roots' parameters is about to run."""
-        self._window.step_taken()
+    def _on_optimizer_step(self, concerned: bool) -> None:
+        """An optimizer step is about to run: of the roots' parameters (``concerned``), or of another model's.
+
+        Another model's ends no scope of this one (a GAN generator's scope, waiting for a backward
+        through the discriminator, goes on past the discriminator's step), but what the window holds
+        is released: plain FSDP2 leaves no gather of its own pending and no unit unsharded past its
+        use, across any step, and neither may the scheduler.
+        """
         scope = self._scopes.open
+        if not concerned:
+            if len(self._window):
+                released = self._window.release_all("another model's optimizer.step()")
+                self._scopes.stats.count(scope.key if scope is not None else None, Count.wasted, released)
+            return
+        self._window.step_taken()
         if scope is None:
             return
         if not scope.explicit:

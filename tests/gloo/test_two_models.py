@@ -2,7 +2,8 @@
 a GAN (the discriminator runs on the generator's output, and the generator's backward runs through
 the discriminator) and distillation (a frozen teacher under ``no_grad``). Every mode is bitwise
 equal to plain FSDP2 doing the same, and each scheduler replays its own scopes: another model's
-``optimizer.step()`` must not end or release them."""
+``optimizer.step()`` must not end them (it releases what they hold, as plain FSDP2 holds nothing of
+its own across a step)."""
 
 import pytest
 import torch
@@ -50,7 +51,11 @@ def _grads(*models: nn.Module) -> list[torch.Tensor | None]:
     return [None if p.grad is None else _local(p.grad) for model in models for p in model.parameters()]
 
 
-def _gan_step(gen, disc, scheds, opt_gen, opt_disc, step: int, explicit: bool) -> tuple[list[float], list[torch.Tensor | None]]:
+Step = tuple[list[float], list[torch.Tensor | None], list[list[list[str]]]]
+"""One step's losses, gradients, and the units each model holds unsharded after each optimizer step."""
+
+
+def _gan_step(gen, disc, scheds, opt_gen, opt_disc, step: int, explicit: bool) -> Step:
     """The discriminator on a real and a detached fake batch, then the generator through the
     discriminator (whose gradients from it are zeroed): per step 3 discriminator forwards and 2
     backwards, 2 generator forwards and 1 backward."""
@@ -63,7 +68,7 @@ def _gan_step(gen, disc, scheds, opt_gen, opt_disc, step: int, explicit: bool) -
     def gen_loss() -> torch.Tensor:
         return F.softplus(-disc(gen(_batch(step, 2)))).mean()
 
-    losses, grads = [], []
+    losses, grads, held = [], [], []
     for key, loss_of, opt in (("disc", disc_loss, opt_disc), ("gen", gen_loss, opt_gen)):
         if explicit and s_gen is not None:
             with s_gen.iteration(key), s_disc.iteration(key):
@@ -75,12 +80,13 @@ def _gan_step(gen, disc, scheds, opt_gen, opt_disc, step: int, explicit: bool) -
         losses.append(loss.item())
         grads += _grads(gen, disc)
         opt.step()
+        held.append([held_units(gen), held_units(disc)])
         opt_gen.zero_grad()
         opt_disc.zero_grad()
-    return losses, grads
+    return losses, grads, held
 
 
-def _distill_step(student, teacher, scheds, opt_student, _opt_teacher, step: int, explicit: bool) -> tuple[list[float], list[torch.Tensor | None]]:
+def _distill_step(student, teacher, scheds, opt_student, _opt_teacher, step: int, explicit: bool) -> Step:
     """The student fits the frozen teacher's output, the teacher under ``no_grad``."""
     s_student, s_teacher = scheds
 
@@ -100,7 +106,7 @@ def _distill_step(student, teacher, scheds, opt_student, _opt_teacher, step: int
     grads = _grads(student, teacher)
     opt_student.step()
     opt_student.zero_grad()
-    return [loss.item()], grads
+    return [loss.item()], grads, [[held_units(student), held_units(teacher)]]
 
 
 LOOPS = {"gan": _gan_step, "distill": _distill_step}
@@ -113,10 +119,10 @@ def _train(mesh, loop: str, mode: str, explicit: bool) -> dict:
     opts = [torch.optim.SGD(model.parameters(), lr=0.05) for model in (first, second)]
     run: dict[str, list] = {"losses": [], "grads": [], "held": [], "misses": []}
     for step in range(STEPS):
-        losses, grads = LOOPS[loop](first, second, scheds, *opts, step, explicit)
+        losses, grads, held = LOOPS[loop](first, second, scheds, *opts, step, explicit)
         run["losses"].append(losses)
         run["grads"].append(grads)
-        run["held"].append([held_units(first), held_units(second)])
+        run["held"].append(held)
         run["misses"].append([s.stats.misses for s in scheds] if scheds[0] is not None else None)
     run["params"] = [_local(p) for model in (first, second) for p in model.parameters()]
     run["stats"] = [s.stats.as_dict() for s in scheds] if scheds[0] is not None else None
@@ -134,7 +140,9 @@ def runs(request):
 
 @pytest.mark.parametrize("loop", LOOPS)
 def test_every_mode_trains_both_models_bitwise_like_plain_fsdp2(runs, loop):
-    """Losses, both models' gradients and parameters, and the units FSDP2 holds after each step."""
+    """Losses, both models' gradients and parameters, and the units FSDP2 holds after each optimizer
+    step: the discriminator's too, which used to find the generator's provided-for units still held
+    in automatic scopes (its scope waits for a backward through the discriminator)."""
     _, results = runs
     for rank_result in results:
         assert_trains_like_plain(rank_result, loop, MODES[1:])
