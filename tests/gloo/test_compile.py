@@ -3,6 +3,8 @@ attached: no graph break that plain FSDP2 does not have, and the same numerics (
 opaque to torch.compile] in ``fsdp_replay/_hooks.py``), with FSDP2's internals and on the public-API
 fallback. CI runs this file on every torch leg (2.11 to 2.15)."""
 
+import gc
+
 import pytest
 import torch
 import torch._dynamo
@@ -41,6 +43,11 @@ def _train_compiled(mesh, case: str, mode: str) -> dict:
     autograd graph Dynamo captured), counting Dynamo's graph breaks from a fresh cache."""
     torch._dynamo.reset()
     counters.clear()
+    # The previous runs' models, in reference cycles (a block holds its compiled method), are
+    # collected now: collected during a trace, each drops its entry from FSDP2's module-state
+    # WeakKeyDictionary while Dynamo iterates it ("dictionary changed size during iteration", on
+    # 2.14.1 with the public-API fallback, depending on when the collector happens to run).
+    gc.collect()
     name, compiled = case.split("/")
     w = method_call_workload() if name == "method_calls" else workload(name)
     model = w.make_model()
