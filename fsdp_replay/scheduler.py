@@ -330,15 +330,15 @@ class PrefetchScheduler:
         if scope is None:
             return
         scope.strategy.end_backward()
+        for unit in self._window.take_dropped():  # before a scope's end, which would count them wasted
+            scope.dropped_at_backward_end(unit)
+            self._scopes.stats.count(scope.key, Count.dropped)
         if not scope.explicit:
             scope.backward_started = False
             scope.backwards_pending = max(scope.backwards_pending - 1, 0)
             if not scope.backwards_pending:
                 self._scopes.end(scope)
                 return
-        for unit in self._window.take_dropped():
-            scope.dropped_at_backward_end(unit)
-            self._scopes.stats.count(scope.key, Count.dropped)
         scope.strategy.provide()
         self._window.note_versions()  # the user's code runs next (another microbatch's forward may follow)
 
