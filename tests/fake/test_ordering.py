@@ -241,6 +241,25 @@ def test_static_wrong_guesses_never_hold_more_than_depth_gathers(mesh8):
     assert max(held) == 1 and sched.stats.prefetches > 0
 
 
+def test_a_gather_fsdp2_drops_as_it_finalizes_a_backward_is_counted_dropped_in_any_scope(mesh8):
+    """Static's last backward guess in ``out_of_order`` is a unit whose backward already ran: FSDP2
+    drops its gather as it finalizes the backward. An automatic scope ends at that backward's end,
+    which counted the gather wasted; an explicit one, ending later, counted it dropped."""
+    counts = []
+    for explicit_scope in (True, False):
+        w = workload("out_of_order")
+        model = w.make_model().shard(mesh8)
+        sched = attach(model, PrefetchConfig(mode="static"))
+        for step in range(2):
+            if explicit_scope:
+                with sched.iteration("train"):
+                    run_iteration(model, w, step)
+            else:
+                run_iteration(model, w, step)
+        counts.append((sched.stats.dropped, sched.stats.wasted))
+    assert counts == [(2, 0), (2, 0)]
+
+
 def test_prefetches_are_counted_under_their_key_whenever_the_stats_are_read(mesh8):
     """The window counts what it issues and the stats take it in when read (mid-scope too) or when
     the scope ends; ``reset_stats()`` mid-scope forgets what was issued before it."""
