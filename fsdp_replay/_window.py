@@ -35,7 +35,7 @@ class PrefetchWindow:
     needs the unit again next). Both hold one unit's unsharded bytes, which the byte cap counts.
     Against the prefetch depth, replay counts only the prefetches among the entries it provides
     for (a keep is no all-gather in flight), while static counts everything held (``len``): it
-    never keeps, and its wrong guesses stay held until used (see ``_strategies.py``).
+    never keeps, and its wrong guesses stay held until used or released (see ``_strategies.py``).
 
     Every decision here depends only on the recorded order and on unit sizes, which all ranks
     share, so all ranks issue the same all-gathers in the same order. Another party's reshard,
