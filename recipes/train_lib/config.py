@@ -144,6 +144,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         require_at_least(1, self, "steps", "batch_size", "seq_len", "microbatches", "eval_batches")
         require_at_least(0, self, "activation_checkpointing", "eval_every", "save_every")
+        if not self.lr >= 0:  # also rejects nan; AdamW would raise on each rank, past the config check
+            raise ValueError(f"TrainConfig.lr must be a number >= 0, got {self.lr!r}")
         if self.resume_from is not None:
             try:
                 self.resume_from = str(find_checkpoint(Path(self.resume_from)))

@@ -114,6 +114,8 @@ def test_unknown_enum_name_fails_composition_naming_field_and_values(override: s
         ("prefetch.on_divergence=ignore", "valid policies are fallback, raise"),
         ("train.microbatches=0", "TrainConfig.microbatches must be an integer >= 1"),
         ("train.activation_checkpointing=-1", "TrainConfig.activation_checkpointing must be an integer >= 0"),
+        ("train.lr=-1", "TrainConfig.lr must be a number >= 0, got -1.0"),
+        ("train.lr=nan", "TrainConfig.lr must be a number >= 0, got nan"),
         ("train.seq_len=4096", "exceeds ModelConfig.max_seq_len"),
         ("train.resume_from=/no/such/checkpoint", "TrainConfig.resume_from: no such checkpoint directory"),
         ("model.n_heads=3", "ModelConfig.dim must be a multiple of 2 * n_heads"),
