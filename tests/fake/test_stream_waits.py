@@ -55,7 +55,7 @@ def test_prefetches_inside_a_pass_add_no_stream_waits(mesh8, stream_log, mode, n
             run_iteration(model, w, step)
         optimizer.step()
         optimizer.zero_grad()
-        ours = [who for kind, who in stream_log if kind == "wait" and who == "issue_unshard"]
+        ours = [who for kind, who in stream_log if kind == "wait" and who == "_wait_for_optimizer"]
         # Every prefetch once waited twice (both side streams); now only those issued before
         # FSDP2's root pre-forward do: the scope's first refill and the one at the root's demand.
         if step >= w.record_steps:
@@ -97,7 +97,7 @@ def test_gathers_before_the_root_pre_forward_wait_for_a_post_optimizer_event(mes
             run_iteration(model, w, step)
         optimizer.zero_grad()
         first_gather = next(i for i, (kind, _) in enumerate(stream_log) if kind == "gather")
-        ours = [(i, kind) for i, (kind, who) in enumerate(stream_log) if who in ("issue_unshard", "_wait_for_optimizer")]
+        ours = [(i, kind) for i, (kind, who) in enumerate(stream_log) if who == "_wait_for_optimizer"]
         assert all(kind == "wait_event" for _, kind in ours), stream_log[:8]
         if sched.stats.prefetches:  # not while recording
             assert ours and ours[0][0] < first_gather, stream_log[:8]
