@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import sys
 import weakref
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.nn as nn
@@ -79,7 +79,7 @@ class SchedulerEvents(Protocol):
     """What the hooks report, in the order of [Note: hook order and the end of backward];
     implemented by :class:`~fsdp_replay.PrefetchScheduler`."""
 
-    def on_demand(self, unit: Unit, phase: Phase) -> None: ...
+    def on_demand(self, unit: Unit, phase: Phase, state: Any) -> None: ...
     def on_lifecycle_reshard(self, unit: Unit) -> bool: ...
     def on_other_party(self, unit: Unit, call: _compat.OtherPartyCall) -> None: ...
     def on_root_pre_forward(self) -> None: ...
@@ -99,8 +99,11 @@ class _BackwardDemand:
 class HookSet:
     """All hooks one scheduler registered; ``remove()`` restores the modules as they were."""
 
-    def __init__(self, events: SchedulerEvents) -> None:
+    def __init__(self, events: SchedulerEvents, *, held: Callable[[Unit], object]) -> None:
         self._events = events
+        self._held = held
+        """How the scheduler holds a unit, if it does (the window's ``holds``): FSDP2's reshard of a
+        unit not held skips no reshard, so it asks the scheduler nothing."""
         self._handles: list[RemovableHandle] = []
         # Public fallback only: an end-of-backward callback is queued on the outermost graph task
         # (see [Note: hook order and the end of backward]); a raised backward drops it, so the next
@@ -148,6 +151,7 @@ class HookSet:
         _compat.report_method_forward(state, functools.partial(self._on_pre_forward, unit))
         intercepted = _compat.intercept_group_calls(
             state,
+            held=functools.partial(self._held, unit),
             skip_lifecycle_reshard=functools.partial(self._events.on_lifecycle_reshard, unit),
             on_other_party=functools.partial(self._events.on_other_party, unit),
         )
@@ -198,8 +202,9 @@ class HookSet:
         self._events.on_root_post_forward(backward_follows=follows, failed=failed)
 
     def _on_pre_forward(self, unit: Unit, module: nn.Module, args: Any) -> None:
-        if _compat.opens_forward(unit.state):  # not a later module of a grouped unit's same pass
-            self._events.on_demand(unit, _RECOMPUTE if _compat.in_backward() else _FORWARD)
+        state = unit.state
+        if _compat.opens_forward(state):  # not a later module of a grouped unit's same pass
+            self._events.on_demand(unit, _RECOMPUTE if _compat.in_backward() else _FORWARD, state)
 
     def _on_forward_output(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
         state = unit.state
@@ -225,7 +230,7 @@ class HookSet:
             # [Note: hook order and the end of backward].
             self._backward_end_queued = True
             _compat.queue_backward_callback(self._requeue_backward_end)
-        self._events.on_demand(unit, _BACKWARD)
+        self._events.on_demand(unit, _BACKWARD, unit.state)
 
     def _requeue_backward_end(self) -> None:
         # After FSDP2's own final callback: see [Note: hook order and the end of backward].

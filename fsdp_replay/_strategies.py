@@ -58,9 +58,7 @@ class Strategy(Protocol):
 
 def gather_at_demand(unit: Unit, phase: Phase) -> None:
     """Issue a missed unit's gather now, before any prefetch (see ``Strategy.gathers_misses``)."""
-    if _compat.may_gather(state := unit.state):
-        with _compat.trace("fsdp_replay::gather_at_demand", unit.fqn):
-            _compat.issue_unshard(state, backward=not phase.in_forward, use_now=True)
+    _compat.issue_unshard(unit.state, backward=not phase.in_forward, fqn=unit.fqn, use_now=True)
 
 
 class DemandOnly:
@@ -497,7 +495,7 @@ class Static:
         self._guessed = guessed
         self._stop = None
         for i, successor in enumerate(guessed):
-            if len(window) >= depth:
+            if window.count() >= depth:
                 self._stop = (guessed[i:], Why(MissReason.depth, f"{len(window)} earlier guesses still held"))
                 return
             state = successor.state

@@ -43,14 +43,17 @@ class PrefetchWindow:
     ``_compat/intercept.py``) hands it over: :meth:`take` drops it without touching FSDP2.
     """
 
-    def __init__(self, *, max_bytes: int | None, can_keep: bool) -> None:
+    def __init__(self, *, max_bytes: int | None) -> None:
         self.max_bytes = max_bytes
-        self.can_keep = can_keep
-        """Whether FSDP2's reshards can be seen and skipped (its internals are available)."""
+        self.can_keep = True
+        """Whether FSDP2's reshards can be seen and skipped (its internals are available): the
+        scheduler says once it has registered its hooks."""
         self._held: dict[Unit, Held] = {}
         self.holds: Callable[[Unit], Held | None] = self._held.get
         """How the unit's next demand is already provided for, if it is (asked per refill entry and
         per reshard: the dict's own ``get``, not a Python call)."""
+        self.count: Callable[[], int] = self._held.__len__
+        """How many units are held: ``len(window)`` without a Python call (static asks it per guess)."""
         self._skipped: set[Unit] = set()
         """Kept units a reshard of which was skipped (so plain FSDP2 would have them sharded now)."""
         self._bytes_ahead = 0
@@ -91,16 +94,10 @@ class PrefetchWindow:
     def prefetch(self, unit: Unit, state: Any, *, backward: bool) -> bool:
         """Issue ``unit``'s all-gather ahead of use (``state``: its FSDP2 state); False if FSDP2 would
         decline or drop it (no unshard in backward, a gradient reduction pending)."""
-        if not _compat.may_gather(state):
-            return False
-        if _compat.profiling():
-            with _compat.trace("fsdp_replay::prefetch", unit.fqn):
-                pending = _compat.issue_unshard(state, backward=backward)
-        else:  # no context manager per prefetch
-            pending = _compat.issue_unshard(state, backward=backward)
-        if not pending:
+        if not _compat.issue_unshard(state, backward=backward, fqn=unit.fqn):
             return False
         self._held[unit] = _PREFETCHED
+        self._gathered.add(unit)
         self.issued += 1
         self._bytes_ahead += unit.unsharded_bytes
         self.timeline.append((_PROVIDED, unit, _PREFETCHED))
@@ -157,19 +154,10 @@ class PrefetchWindow:
         self._skipped.add(unit)
         return first
 
-    def demanded(self, unit: Unit, *, missed: bool) -> Held | None:
-        """``unit``'s demand came (``missed``: FSDP2 must gather it now): it leaves the window.
-
-        Returns how the window held it. Held although ``missed``: FSDP2 dropped the prefetch
-        (when it finalizes a backward).
-        """
-        held = self.take(unit)
-        if missed or held is _PREFETCHED:
-            self._gathered.add(unit)  # not a gather someone else left pending: that may predate a step
-        return held
-
-    def gathered_by_other(self, unit: Unit) -> None:
-        """Someone else all-gathers ``unit`` now (a pipeline's UNSHARD action): its values are current."""
+    def gathered(self, unit: Unit) -> None:
+        """``unit`` is all-gathered now by someone else's doing (FSDP2 at a missed demand, a
+        pipeline's UNSHARD action): its values are current. (The window's own prefetches count
+        themselves as they are issued; a gather someone else left pending may predate a step.)"""
         self._gathered.add(unit)
 
     def step_taken(self) -> None:

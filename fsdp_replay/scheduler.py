@@ -62,6 +62,13 @@ _MISS, _DEMAND_MODE, _KEPT, _BACKWARD = Demand.miss, ScopeMode.demand, Held.kept
 # pending instead of a second read, and opens no empty context below torch 2.14 (-13 per replayed
 # demand); ``is_sharded_idle`` reads a single param group directly (-25 per static demand).
 # Together with the note above: replay 672 -> 564, static 592 -> 475, demand 304 -> 235.
+# Later, counted on the code of the 2026-12-07 host-cost runs (replay 589.1, static 506.5, demand
+# 252.7; 27.8, 33.9 and 13.9 Python calls a demand): a prefetch is one call from the window
+# ([Note: one call per gather] in ``_compat/gathers.py``); FSDP2's reshard after each use asks the
+# scheduler only while the window holds the unit (``Interception.held``, the window's dict lookup);
+# the window's prefetches mark their units gathered as they are issued, so a demand takes its unit
+# out of the window in one call; the hook hands the unit's state on; static reads the window's
+# size without a Python call (``PrefetchWindow.count``). Replay 537.2, static 447.5, demand 227.8.
 
 
 class PrefetchScheduler:
@@ -81,9 +88,9 @@ class PrefetchScheduler:
         self._warned_step_in_scope = False
         self._automatic = AutomaticScopes(len(roots))
         self._saved_prefetch = {unit: _compat.disable_own_prefetch(unit.state) for unit in self.units}
-        self._hooks = HookSet(self)
-        can_keep = all([self._hooks.register_unit(unit) for unit in self.units])
-        self._window = PrefetchWindow(max_bytes=config.max_prefetch_bytes, can_keep=can_keep)
+        self._window = PrefetchWindow(max_bytes=config.max_prefetch_bytes)
+        self._hooks = HookSet(self, held=self._window.holds)
+        self._window.can_keep = all([self._hooks.register_unit(unit) for unit in self.units])
         self._modes = ScopeModes(config, self.units, self._orders, self._depths, self._window)
         measure = config.measure_waits or self._depths.adaptive
         self._waits = DemandWaits(on_host=_compat.device(self.units[0].state).type == "cpu") if measure else None
@@ -342,8 +349,8 @@ class PrefetchScheduler:
         scope.strategy.provide()
         self._window.note_versions()  # the user's code runs next (another microbatch's forward may follow)
 
-    def on_demand(self, unit: Unit, phase: Phase) -> None:
-        """``unit`` needs its parameters now, before FSDP2 acts on the demand."""
+    def on_demand(self, unit: Unit, phase: Phase, state: Any) -> None:
+        """``unit`` (FSDP2 state ``state``) needs its parameters now, before FSDP2 acts on the demand."""
         scope = self._scopes.open
         if self._window.unverified is not None:  # [Note: parameters changed before a demand] in _window.py
             changed = self._window.verify()
@@ -351,8 +358,10 @@ class PrefetchScheduler:
                 scope.parameters_changed(changed)
         if scope is None and not phase.in_forward and self._automatic.on:
             scope = self._scopes.begin(AUTO_KEY_BACKWARD, explicit=False)  # ends with this backward
-        demand = _compat.classify_demand(unit.state, backward=phase is _BACKWARD)
-        held = self._window.demanded(unit, missed=demand is _MISS)
+        demand = _compat.classify_demand(state, backward=phase is _BACKWARD)
+        held = self._window.take(unit)  # its demand came: it leaves the window
+        if demand is _MISS:
+            self._window.gathered(unit)  # FSDP2 gathers it now (held still: FSDP2 dropped the prefetch)
         if scope is None:
             self._demanded_outside_scope(demand, held)
             return
@@ -421,7 +430,7 @@ class PrefetchScheduler:
             # left pending across one) becomes theirs: either way its values are current, so the
             # unit may be kept later. (A pipeline's UNSHARD of a chunk root prefetched at the
             # scope's start once made its next keep fail as stale.)
-            self._window.gathered_by_other(unit)
+            self._window.gathered(unit)
         if scope is not None:
             undoes = call != "unshard" and not _compat.is_sharded_idle(unit.state)
             scope.other_party(unit, call, held, undoes=undoes)

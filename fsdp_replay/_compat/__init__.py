@@ -28,7 +28,6 @@ from fsdp_replay._compat.guard import (
     TORCH_RELEASE,
     PublicAPIFallbackWarning,
     eager,
-    profiling,
     trace,
 )
 from fsdp_replay._compat.intercept import (
@@ -62,7 +61,6 @@ from fsdp_replay._compat.state import (
     is_resident,
     is_root_initialized_as_child,
     is_sharded_idle,
-    may_gather,
     opens_forward,
     param_versions,
     process_group,

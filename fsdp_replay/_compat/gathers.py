@@ -8,8 +8,8 @@ import torch
 import torch.nn as nn
 
 from fsdp_replay._compat import public
-from fsdp_replay._compat.guard import HOOK_CONTEXT, INTERNALS_OK, TORCH_RELEASE, fsdp_hook_context
-from fsdp_replay._compat.state import fsdp_params, fsdp_state, in_backward, param_groups
+from fsdp_replay._compat.guard import HOOK_CONTEXT, INTERNALS_OK, TORCH_RELEASE, fsdp_hook_context, trace
+from fsdp_replay._compat.state import ASYNC_REDUCTION, fsdp_params, fsdp_state, in_backward, may_gather, param_groups
 
 if INTERNALS_OK:
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
@@ -24,32 +24,34 @@ _ON_HOST: dict[torch.device, bool] = {}
 """Whether gathers on a device are host-side (CPU), per device seen."""
 
 
-def issue_unshard(state: Any, *, backward: bool, use_now: bool = False) -> bool:
+def issue_unshard(state: Any, *, backward: bool, fqn: str, use_now: bool = False) -> bool:
     """Start the unit's all-gather without waiting; FSDP2's own pre-hook waits at the point of use.
 
     On accelerators FSDP2's prefetch path (training state set, side streams) overlaps best; on CPU
-    only ``async_op=True`` lets the gather run beside compute. The caller checks ``may_gather``.
-    ``use_now``: a missed demand's gather, whose use starts next (the public fallback keeps no
-    handle of it). Returns whether a gather is pending now (FSDP2 leaves none on a world of one).
+    only ``async_op=True`` lets the gather run beside compute. ``use_now``: a missed demand's
+    gather, whose use starts next (the public fallback keeps no handle of it). Returns whether a
+    gather is pending now: none where FSDP2 would refuse or drop it (:func:`may_gather`), or leaves
+    none (a world of one). ``fqn`` names its profiler range, opened only while a profiler runs.
+    See [Note: one call per gather].
     """
     if not INTERNALS_OK:
-        public.issue_unshard(state, use_now=use_now)
+        with trace("fsdp_replay::gather_at_demand" if use_now else "fsdp_replay::prefetch", fqn):
+            public.issue_unshard(state, use_now=use_now)
         return state in public.pending
-    device = state._device
-    cpu = _ON_HOST.get(device)
-    if cpu is None:
-        cpu = _ON_HOST[device] = device.type == "cpu"  # reading .type costs ~0.25 µs: once per device
-    if not cpu and not _streams_synced(state):
-        # Issued before FSDP2's root pre-forward (at a scope's start, right after
-        # optimizer.step()): the side streams must first see the optimizer's writes to the sharded
-        # parameters, on the current stream or where set_post_optim_event() says. See
-        # [Note: stream waits before a gather].
-        _wait_for_optimizer(state)
-    training_state = _PRE_BACKWARD if backward else _FORWARD
-    if not HOOK_CONTEXT:  # no empty context manager per gather: [Note: trims of the per-demand path]
-        return _unshard_groups(state, training_state, cpu)
-    with fsdp_hook_context():
-        return _unshard_groups(state, training_state, cpu)
+    if ASYNC_REDUCTION and not may_gather(state):
+        return False
+    if HOOK_CONTEXT or torch.autograd.profiler._is_profiler_enabled:
+        with trace("fsdp_replay::gather_at_demand" if use_now else "fsdp_replay::prefetch", fqn), fsdp_hook_context():
+            return _unshard_groups(state, backward)
+    return _unshard_groups(state, backward)  # no context manager per gather
+
+
+# [Note: one call per gather]
+# A prefetch used to be four Python calls from the window (``may_gather``, ``profiling``,
+# ``issue_unshard``, then the profiler range or not): now the window makes one, which checks
+# ``may_gather`` only where a torch release may refuse a gather (2.15's asynchronous reduction)
+# and opens no context manager unless a profiler runs or FSDP2 runs its hooks in one (2.14+).
+# bench_calls.py --opcodes, 16 units, torch 2.13: see [Note: trims of the per-demand path].
 
 
 # [Note: stream waits before a gather]
@@ -87,7 +89,19 @@ def _streams_synced(state: Any) -> bool:
     return state._state_ctx.iter_forward_root is not None or in_backward()
 
 
-def _unshard_groups(state: Any, training_state: Any, cpu: bool) -> bool:
+def _unshard_groups(state: Any, backward: bool) -> bool:
+    """The body of :func:`issue_unshard`, inside its context where it opens one."""
+    device = state._device
+    cpu = _ON_HOST.get(device)
+    if cpu is None:
+        cpu = _ON_HOST[device] = device.type == "cpu"  # reading .type costs ~0.25 µs: once per device
+    if not cpu and not _streams_synced(state):
+        # Issued before FSDP2's root pre-forward (at a scope's start, right after
+        # optimizer.step()): the side streams must first see the optimizer's writes to the sharded
+        # parameters, on the current stream or where set_post_optim_event() says. See
+        # [Note: stream waits before a gather].
+        _wait_for_optimizer(state)
+    training_state = _PRE_BACKWARD if backward else _FORWARD
     pending = False
     for group in param_groups(state):
         # What FSDPParamGroup.use_training_state does, without a generator context per gather.

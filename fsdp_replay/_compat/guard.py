@@ -69,11 +69,6 @@ else:
         return _NO_CONTEXT
 
 
-def profiling() -> bool:
-    """A ``torch.profiler`` runs (hot paths skip even an empty context manager otherwise)."""
-    return torch.autograd.profiler._is_profiler_enabled
-
-
 def trace(*label: str) -> contextlib.AbstractContextManager:
     """A ``torch.profiler`` range, opened only while a profiler runs: one costs ~20 µs otherwise."""
     if torch.autograd.profiler._is_profiler_enabled:

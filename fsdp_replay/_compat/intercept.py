@@ -111,13 +111,19 @@ def other_party(call: OtherPartyCall) -> str:
 
 
 def intercept_group_calls(
-    state: Any, *, skip_lifecycle_reshard: Callable[[], bool], on_other_party: Callable[[OtherPartyCall], None]
+    state: Any,
+    *,
+    held: Callable[[], object],
+    skip_lifecycle_reshard: Callable[[], bool],
+    on_other_party: Callable[[OtherPartyCall], None],
 ) -> bool:
     """Report FSDP2's per-group lifecycle reshards and other parties' calls to the scheduler.
 
     ``skip_lifecycle_reshard()`` is asked when FSDP2's own post-forward or post-backward is about
-    to reshard the group (only where its current settings make that a real reshard); True skips
-    it. ``on_other_party(call)`` is told of every ``reshard``, ``unshard`` or ``_reset_iter_state``
+    to reshard the group (only where its current settings make that a real reshard) while
+    ``held()`` is not None (the scheduler holds the unit; a C-level call such as a bound
+    ``dict.get``, asked at every lifecycle reshard, see [Note: trims of the per-demand path]);
+    True skips it. ``on_other_party(call)`` is told of every ``reshard``, ``unshard`` or ``_reset_iter_state``
     that is neither FSDP2's forward/backward lifecycle nor the scheduler's own (which calls the
     class methods directly). See [Note: fsdp_replay never owns FSDP2's settings] and the group's
     :class:`~fsdp_replay._compat.shadows.GroupShadow`. False where FSDP2's internals are not available.
@@ -125,7 +131,7 @@ def intercept_group_calls(
     if not INTERNALS_OK:
         return False
     for group in param_groups(state):
-        GroupShadow.of(state, group).interception = Interception(skip_lifecycle_reshard, on_other_party)
+        GroupShadow.of(state, group).interception = Interception(held, skip_lifecycle_reshard, on_other_party)
     return True
 
 

@@ -42,9 +42,16 @@ Timer = tuple[Waited, WaitedOnDevice]
 class Interception:
     """What a scheduler is told of one group (see [Note: fsdp_replay never owns FSDP2's settings])."""
 
-    __slots__ = ("skip_lifecycle_reshard", "on_other_party")
+    __slots__ = ("held", "skip_lifecycle_reshard", "on_other_party")
 
-    def __init__(self, skip_lifecycle_reshard: Callable[[], bool], on_other_party: Callable[[OtherPartyCall], None]) -> None:
+    def __init__(
+        self,
+        held: Callable[[], object],
+        skip_lifecycle_reshard: Callable[[], bool],
+        on_other_party: Callable[[OtherPartyCall], None],
+    ) -> None:
+        self.held = held
+        """Not None while the scheduler holds the unit: only then is ``skip_lifecycle_reshard`` asked."""
         self.skip_lifecycle_reshard = skip_lifecycle_reshard
         self.on_other_party = on_other_party
 
@@ -124,8 +131,10 @@ class GroupShadow:
             if self._in_lifecycle:
                 # After a forward FSDP2 reshards only while post_forward_mesh_info is set; after a
                 # backward it calls reshard only while reshard_after_backward holds.
-                real = group._training_state is not _FORWARD or group.post_forward_mesh_info is not None
-                if real and interception.skip_lifecycle_reshard():
+                if interception.held() is not None and (
+                    (group._training_state is not _FORWARD or group.post_forward_mesh_info is not None)
+                    and interception.skip_lifecycle_reshard()
+                ):
                     return
             else:
                 interception.on_other_party("reshard")

@@ -208,14 +208,14 @@ def may_gather(state: Any) -> bool:
     FSDP2's own forward refuses to run then, and the reduction's ``wait()`` drops any gather issued
     in that window, so the scheduler issues none there.
     """
-    if not INTERNALS_OK or not _ASYNC_REDUCTION:
+    if not INTERNALS_OK or not ASYNC_REDUCTION:
         return True
     if getattr(state._comm_ctx, "active_gradient_reduction", None) is not None:
         return False
     return not getattr(state._state_ctx, "gradient_reduction_pending", False)
 
 
-_ASYNC_REDUCTION = hasattr(FSDPModule, "set_manual_backward_finalization")
+ASYNC_REDUCTION = hasattr(FSDPModule, "set_manual_backward_finalization")
 """torch 2.15+: a gradient reduction may be pending asynchronously (``finalize_backward(async_op=True)``)."""
 
 
