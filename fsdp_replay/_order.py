@@ -189,6 +189,11 @@ class Lookahead(NamedTuple):
     reuse: Entry | None = None
     """The next entry of the unit demanded just before this position, where the reuse distance
     reaches it: the unit is kept unsharded until then rather than resharded and gathered again."""
+    unread: Entry | None = None
+    """The last of ``entries`` where a refill reaching it with every gather slot taken may stop
+    there without reading its unit's FSDP2 state: it ran in every recorded scope and its unit
+    encloses no other, so it is in use only if it is the unit just demanded (see [Note: the last
+    entry unread] in ``_strategies.py``)."""
 
 
 _NOTHING_AHEAD = Lookahead((), 0)
@@ -553,7 +558,9 @@ def _lookahead_from(entries: tuple[Entry, ...], position: int, depth: int, reuse
         units.add(entry.unit)
         certain += entry.share == 1.0
     reuse = _reuse_from(entries, position, reuse_distance) if reuse_distance and position else None
-    return Lookahead(tuple(picked), depth, segment, reuse)
+    last = picked[-1] if picked else None
+    unread = last if last is not None and last.share == 1.0 and not last.unit.encloses else None
+    return Lookahead(tuple(picked), depth, segment, reuse, unread)
 
 
 def _reuse_from(entries: tuple[Entry, ...], position: int, distance: int) -> Entry | None:

@@ -161,6 +161,25 @@ _DECLINED = Why(MissReason.declined, "a gradient reduction was pending, or FSDP2
 _PREFETCHED, _IN_USE, _PROVIDED, _SKIPPED = Held.prefetched, Standing.in_use, Standing.provided, Event.skipped
 """Read per refill entry: see [Note: Enum members on the per-demand path] in ``scheduler.py``."""
 
+# [Note: the last entry unread]
+# At depth d a refill's lookahead has d + 1 entries, one more than the slots, for a unit in use that
+# is kept rather than gathered. In the steady state the first d fill the slots and the last only
+# shows the depth reached: reading its unit's FSDP2 state (``standing``) then finds a unit sharded,
+# and the refill stops. Only two standings would not stop it there: in use (kept instead) and
+# unsharded by someone else (passed over, with nothing after it to provide for). The second changes
+# nothing, being the last entry; the first needs the unit to be the one just demanded or one whose
+# forward or backward runs around that one's, as a unit enclosing another does (``Unit.encloses``).
+# So ``Lookahead.unread`` names that last entry where it ran in every recorded scope and encloses
+# nothing, and the refill stops at it unread once the slots are taken, as it would after reading
+# it: a far-ahead unit's FSDP2 objects are cold in the CPU's caches, which from 64 units on made the
+# read cost more than its opcodes. (A unit whose forward calls a unit outside its own modules is in use then
+# without enclosing it; as this last entry it is resharded after that use and gathered again, one
+# gather more, where the read would have kept it.) 48 opcodes a replayed demand (537.2 -> 489.1,
+# bench_calls.py --units 16 --steps 1 --opcodes); timed on one model whose refill reads the last
+# entry or not in alternate rounds, beside plain FSDP2 (``measure_cpu_cost``'s protocol otherwise),
+# -0.2, -0.9, -0.8 and -0.4, -1.0 points of overhead at 16, 64, 256 and 1024 units (20 to 100
+# rounds each; a run of 8 rounds at 1024 units gave +0.7).
+
 
 class Record:
     """Append each demand to a recording; the scheduler installs it as the key's order if the scope succeeds.
@@ -399,7 +418,7 @@ class Replay:
         holds, standing_of = window.holds, _compat.standing
         gathers = 0
         self._stop = None
-        ran = self._ran
+        ran, unread = self._ran, ahead.unread
         for entry in ahead.entries:
             unit = entry.unit
             # A sometimes-run entry takes no depth slot: where the data skips it, the next unit's
@@ -411,6 +430,9 @@ class Replay:
             if held is not None:
                 gathers += held is _PREFETCHED and not sometimes
                 continue
+            if entry is unread and gathers >= ahead.gathers and unit is not demanded:
+                self._stop = (entry, _DEPTH_REACHED)  # [Note: the last entry unread]
+                break
             state = unit.state
             standing = _IN_USE if unit is demanded else standing_of(state)
             if standing is _PROVIDED:

@@ -26,6 +26,10 @@ class Unit:
     _modules: tuple[weakref.ref, ...]
     root: int = 0
     """Position of the unit's root in ``attach()``'s list (its model chunk)."""
+    encloses: bool = False
+    """Another unit's module lies inside one of its modules, so its forward (and backward) may run
+    around that unit's: it may be in use at another unit's demand (what a refill may skip reading,
+    ``Lookahead.unread``)."""
 
     @property
     def state(self) -> Any:
@@ -63,10 +67,10 @@ def discover_units(root: nn.Module, *, position: int = 0, prefix: str = "", firs
             names[state] = []
             order.append(state)
         names[state].append(name or "<root>")
+    with_params = [state for state in order if _compat.has_params(state)]
+    scheduled = set(with_params)
     units = []
-    for state in order:
-        if not _compat.has_params(state):
-            continue
+    for state in with_params:
         modules = _compat.state_modules(state)
         units.append(
             Unit(
@@ -76,7 +80,17 @@ def discover_units(root: nn.Module, *, position: int = 0, prefix: str = "", firs
                 _state=weakref.ref(state),
                 _modules=tuple(weakref.ref(m) for m in modules),
                 root=position,
+                encloses=_encloses(modules, state, scheduled),
             )
         )
     return units
+
+
+def _encloses(modules: tuple[nn.Module, ...], state: Any, unit_states: set[Any]) -> bool:
+    """Whether a module of another unit with parameters lies below one of ``modules`` (``state``'s)."""
+    return any(
+        (inner := _compat.fsdp_state(sub)) is not None and inner is not state and inner in unit_states
+        for module in modules
+        for sub in module.modules()
+    )
 

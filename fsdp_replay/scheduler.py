@@ -69,6 +69,8 @@ _MISS, _DEMAND_MODE, _KEPT, _BACKWARD = Demand.miss, ScopeMode.demand, Held.kept
 # the window's prefetches mark their units gathered as they are issued, so a demand takes its unit
 # out of the window in one call; the hook hands the unit's state on; static reads the window's
 # size without a Python call (``PrefetchWindow.count``). Replay 537.2, static 447.5, demand 227.8.
+# Then a replay refill stops at its last entry unread once the depth is reached ([Note: the last
+# entry unread] in ``_strategies.py``): replay 489.1.
 
 
 class PrefetchScheduler:

@@ -1,13 +1,15 @@
 """Replay keeps a unit unsharded when the order needs it again next, instead of re-gathering it."""
 
 import pytest
+import torch
+from torch.distributed.fsdp import fully_shard
 
 from fsdp_replay import PrefetchConfig, attach
 from fsdp_replay._window import Held
 from fsdp_replay.stats import MissReason
 from fsdp_replay.testing.internals import gather_pending, param_groups, window
 from fsdp_replay.testing.observer import DemandObserver
-from fsdp_replay.testing.workloads import run_iteration, workload
+from fsdp_replay.testing.workloads import Block, CallSequenceModel, NestedBlock, Workload, run_iteration, workload
 
 
 def _gathers(log):
@@ -197,3 +199,33 @@ def test_a_unit_kept_for_its_recompute_is_handed_over_to_a_users_reshard(mesh8):
     assert sched.stats.miss_reasons == {MissReason.recording: sched.stats.misses}
     _assert_all_sharded_with_settings_restored(model)
 
+
+
+class _OuterAroundAnInnerUnit(CallSequenceModel):
+    """blocks.0 encloses a unit of its own (its ``up``) and runs again after blocks.1."""
+
+    def __init__(self) -> None:
+        kinds = iter([NestedBlock, Block])
+        super().__init__(dim=16, hidden=32, n_blocks=2, calls=[0, 1, 0], block=lambda d, h: next(kinds)(d, h))
+
+    def shard(self, mesh, **kwargs):
+        fully_shard(self.blocks[0].up, mesh=mesh, **kwargs)
+        return super().shard(mesh, **kwargs)
+
+
+def test_an_enclosing_unit_in_use_is_kept_when_its_next_call_is_the_refills_last_entry(mesh8):
+    # At blocks.0.up's demand the refill looks at blocks.1 (the depth's one gather) and, last,
+    # blocks.0's second call: a last entry left unread ([Note: the last entry unread]) unless its unit
+    # encloses another, as blocks.0 does; it is in use around blocks.0.up, so it is kept.
+    batch = lambda step, mb: torch.randn(4, 16, generator=torch.Generator().manual_seed(step))  # noqa: E731
+    w = Workload("outer_around_inner", _OuterAroundAnInnerUnit, batch)
+    model = w.make_model().shard(mesh8)
+    sched = attach(model, PrefetchConfig())
+    assert {u.fqn: u.encloses for u in sched.units} == {"<root>": True, "blocks.0": True, "blocks.0.up": False, "blocks.1": False}
+    observer = DemandObserver(model)
+    for step in range(3):
+        with sched.iteration("train"):
+            run_iteration(model, w, step)
+        log = observer.take()
+    assert [kind for fqn, phase, kind in log if (fqn, phase) == ("blocks.0", "forward")] == ["hit", "resident"]
+    assert all(kind in ("hit", "resident") for _, _, kind in log)

@@ -181,6 +181,22 @@ def test_a_unit_demanded_a_varying_number_of_times_in_a_row_counts_its_first_dem
     assert after_third[0] == "c"
 
 
+def test_lookahead_leaves_unread_only_a_last_entry_that_always_ran_and_encloses_no_unit():
+    (a, b, c), states = _units("a", "b", "c")
+    outer = Unit("outer", 3, 100, weakref.ref(states[0]), (), encloses=True)
+    entries = [Entry(a, Phase.forward, True), Entry(b, Phase.forward, True), Entry(outer, Phase.forward, True),
+               Entry(a, Phase.backward, True), Entry(c, Phase.backward, True, share=0.75)]
+    ahead = ExecutionOrder(entries).lookahead(Depth(1, 1))
+    assert [([e.unit.fqn for e in la.entries], la.unread) for la in ahead] == [
+        (["a", "b"], entries[1]),  # once a takes the slot, the refill may stop at b unread
+        (["b", "outer"], None),  # outer may be in use around the unit just demanded: read
+        (["outer", "a"], entries[3]),
+        (["a", "c"], None),  # c did not run in every recorded scope: it takes no slot, never a mere stop
+        (["c"], None),
+        ([], None),  # past the end
+    ]
+
+
 def test_lookahead_passes_rarely_run_entries_and_sometimes_run_ones_take_no_depth_slot():
     (a, b, c, d, e), _ = _units("a", "b", "c", "d", "e")
     f = Phase.forward
