@@ -5,8 +5,8 @@ unread (as the code does) or not (the refill reads it, as before) in alternate r
 
 Two record_and_replay models in one process, one of each, would not do: a model's own memory
 placement moves its figure by a point or more for the whole process (docs/HOST_COST.md, "Placement
-bias"). So one model runs both, in the pattern u r r u u r r u ... (each variant first and second
-of a pair in turn), beside plain FSDP2 and static, in ``measure_cpu_cost``'s protocol otherwise
+bias"). So one model runs both, in the pattern r u u r r u u r ... (as many rounds of each, each
+variant first of a pair in turn), beside plain FSDP2 and static, in ``measure_cpu_cost``'s protocol otherwise
 (fake backend, world 8, one thread, thread CPU time, rotating start); each variant's overhead is
 the median over its rounds of (its step / plain's step of the same round) - 1.
 """
@@ -42,11 +42,13 @@ def main(units: int, rounds: int) -> None:
             if variants is None and order is not None and order._lookaheads:
                 ((key, aheads),) = order._lookaheads.items()  # one depth, one distance
                 variants = {"unread": aheads, "read": tuple(a._replace(unread=None) for a in aheads)}
-            variant = "unread" if (step // 2 + step) % 2 else "read"
+            k = step - cc.warmup_steps  # r u u r r u u r ...: as many rounds of each, each first of a pair in turn
+            variant = "unread" if (k // 2 + k) % 2 else "read"
             if variants is not None:
                 order._lookaheads[key] = variants[variant]
             first = step % len(contenders)
-            cpu = {c.mode: timed_step(c, step, None, torch.device("cpu"))["cpu_s"] for c in contenders[first:] + contenders[:first]}
+            in_turn = contenders[first:] + contenders[:first]
+            cpu = {c.mode: timed_step(c, step, None, torch.device("cpu"))["cpu_s"] for c in in_turn}
             if step >= cc.warmup_steps and variants is not None:
                 ratios[variant].append(cpu["record_and_replay"] / cpu["plain"])
                 ratios["static"].append(cpu["static"] / cpu["plain"])

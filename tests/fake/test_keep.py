@@ -221,7 +221,8 @@ def test_an_enclosing_unit_in_use_is_kept_when_its_next_call_is_the_refills_last
     w = Workload("outer_around_inner", _OuterAroundAnInnerUnit, batch)
     model = w.make_model().shard(mesh8)
     sched = attach(model, PrefetchConfig())
-    assert {u.fqn: u.encloses for u in sched.units} == {"<root>": True, "blocks.0": True, "blocks.0.up": False, "blocks.1": False}
+    encloses = {u.fqn: u.encloses for u in sched.units}
+    assert encloses == {"<root>": True, "blocks.0": True, "blocks.0.up": False, "blocks.1": False}
     observer = DemandObserver(model)
     for step in range(3):
         with sched.iteration("train"):
