@@ -27,7 +27,7 @@ with an emulated link (``bench_gpu_link``, docs/GPU.md); with ``bench.quick=true
 its plumbing on CPU, with no link.
 ``suite=host_cost`` runs only the CPU-cost protocol, at each of ``cpu_cost.unit_counts`` (default
 16, 64, 256, 1024 units; ``cpu_cost.scan_steps`` rounds each), one row per count, so a cost that
-grows with the model shows (``bench_measure.measure_host_cost``; docs/HOST_COST.md).
+grows with the model shows (``bench_cpu_cost.measure_host_cost``; docs/HOST_COST.md).
 
 On CPU as root, both ranks run inside a network namespace whose loopback is rate limited
 (``netns.rate``, tbf), so communication costs wall time as on a cluster link; the namespace is
@@ -60,7 +60,7 @@ import bench_gpu_link
 import bench_netns
 import bench_report
 from bench_config import BenchConfig
-from bench_measure import measure_cpu_cost, measure_host_cost
+from bench_cpu_cost import measure_cpu_cost, measure_host_cost
 from bench_ranks import run_ranks
 
 BENCH = Path(__file__).resolve().parent

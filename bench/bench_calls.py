@@ -33,7 +33,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from bench_config import MODES
-from bench_measure import MEASURE_WAITS
+from bench_cpu_cost import MEASURE_WAITS
 from fsdp_replay import PrefetchConfig, attach
 from fsdp_replay.testing.distributed import fake_world
 from fsdp_replay.testing.workloads import run_iteration, workload

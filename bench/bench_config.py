@@ -138,7 +138,7 @@ class NetnsConfig:
 
 @dataclass
 class CpuCostConfig:
-    """Scheduler CPU cost: fake backend (no communication), many tiny units, one process."""
+    """Scheduler CPU cost: fake backend (no communication), many tiny units, a process per contender."""
 
     world_size: int = 8
     units: int = 64
@@ -152,10 +152,19 @@ class CpuCostConfig:
     """``suite=host_cost``: the unit counts scanned (``units`` is the standard suite's one count)."""
     scan_steps: int = 20
     """``suite=host_cost``: rounds per unit count (a 1024-unit step takes about a second of CPU)."""
+    placements: int = 4
+    """Fresh processes per contender, one set after another, the rounds shared among them: a
+    process's memory placement moves its steps by a point or more for its whole life, so each
+    figure is the mean over placements (``bench_cpu_cost``, [Note: a process per contender])."""
 
     def __post_init__(self) -> None:
         require_at_least(2, self, "world_size", "units", "warmup_steps")
-        require_at_least(1, self, "dim", "hidden", "rows", "steps", "scan_steps")
+        require_at_least(1, self, "dim", "hidden", "rows", "steps", "scan_steps", "placements")
+        if self.placements > min(self.steps, self.scan_steps):
+            raise ValueError(
+                f"CpuCostConfig.placements must be at most steps and scan_steps (each placement runs at least one round), "
+                f"got placements={self.placements}, steps={self.steps}, scan_steps={self.scan_steps}"
+            )
         if not self.unit_counts or any(isinstance(n, bool) or not isinstance(n, int) or n < 2 for n in self.unit_counts):
             raise ValueError(f"CpuCostConfig.unit_counts must be one or more integers >= 2, got {self.unit_counts!r}")
 
@@ -269,7 +278,7 @@ class BenchConfig:
             raise ValueError(f"BenchConfig.suite must be one of {', '.join(SUITES)}, got {self.suite!r}")
         if self.bench.quick:
             self.cpu_cost.units, self.cpu_cost.steps, self.cpu_cost.warmup_steps = 16, 3, 2
-            self.cpu_cost.unit_counts, self.cpu_cost.scan_steps = [4, 16], 3
+            self.cpu_cost.unit_counts, self.cpu_cost.scan_steps, self.cpu_cost.placements = [4, 16], 3, 2
             self.pipeline.dim, self.pipeline.blocks_per_stage, self.pipeline.rows = 32, 2, 16
             self.gpu_link.shrink()
 

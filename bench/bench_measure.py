@@ -1,4 +1,4 @@
-"""What each rank of the benchmark measures, and the fake-backend CPU-cost run.
+"""What each rank of the benchmark measures.
 
 Per workload every mode gets its own model (same seed), stepped in alternation A B C D A B C D so
 machine drift hits all modes alike. The same rank process then measures the physical limit:
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import statistics
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -27,20 +26,16 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from bench_config import DEPTH_SETTLE_STEPS, MODES, BenchConfig, RunConfig
+from bench_config import DEPTH_SETTLE_STEPS, BenchConfig, RunConfig
 from bench_probe import FSDPProbe, unit_bytes
 from fsdp_replay import PrefetchConfig, WaitMeter, attach
 from fsdp_replay.stats import Demand
-from fsdp_replay.testing.distributed import fake_world
 from fsdp_replay.testing.observer import DemandObserver
 from fsdp_replay.testing.workloads import Workload, run_iteration, workload
 
 SCOPE_KEY = "bench"
 OWN_COMMUNICATION = ("demand", "record_and_replay")
 """Modes whose own collectives give a bound; the others issue demand's (one gather per use)."""
-MEASURE_WAITS = "record_and_replay measure_waits"
-"""The CPU-cost run's name for ``record_and_replay`` with ``PrefetchConfig(measure_waits=True)``:
-what timing every demand's wait for ``explain()`` costs."""
 
 
 # --- one step of one mode ---------------------------------------------------------------------------
@@ -326,72 +321,3 @@ def measure_rank(mesh: DeviceMesh, cfg_dict: dict[str, Any], out_dir: str) -> di
             if dist.get_rank() == 0:
                 print(f"bench: {name} measured in {time.perf_counter() - start:.1f} s", flush=True)
     return {"rank": dist.get_rank(), "backend": dist.get_backend(), "workloads": results}
-
-
-# --- scheduler CPU cost (fake backend) -------------------------------------------------------------
-
-
-def measure_cpu_cost(cfg: BenchConfig, *, units: int | None = None, steps: int | None = None) -> dict[str, Any]:
-    """CPU time of a step of each scheduler mode against plain FSDP2's, with no-op collectives.
-
-    The fake backend does all of a step's work on this thread, so its CPU time is the step's cost
-    without the time other processes on the machine take; each mode is compared with the plain
-    step of the same round (A B C D E, then B C D E A, ...), and the median of those ratios is reported. The fifth,
-    ``MEASURE_WAITS``, is ``record_and_replay`` timing its waits for ``explain()``; it is also
-    compared with ``record_and_replay`` of the same round (``measure_waits_vs_replay``). No
-    contender has the benchmark's wait meter: its cost is not the scheduler's. ``units`` and
-    ``steps`` (rounds) default to the ``cpu_cost`` node's.
-    """
-    cc = cfg.cpu_cost
-    units = cc.units if units is None else units
-    steps = cc.steps if steps is None else steps
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with fake_world(cc.world_size) as mesh:
-            w = workload("sequential", dim=cc.dim, hidden=cc.hidden, n_blocks=units, rows=cc.rows)
-            run = dataclasses.replace(cfg.bench, quick=False)
-            contenders = [build_contender(mode, w, mesh, run, metered=False) for mode in MODES]
-            timing = build_contender("record_and_replay", w, mesh, run, metered=False, measure_waits=True)
-            contenders.append(dataclasses.replace(timing, mode=MEASURE_WAITS))
-            times: dict[str, list[float]] = {c.mode: [] for c in contenders}
-            demands = 0
-            for step in range(cc.warmup_steps + steps):
-                # Each round starts with the next contender, so none always runs first (after the
-                # previous round's last) or always right after plain.
-                first = step % len(contenders)
-                for c in contenders[first:] + contenders[:first]:
-                    record = timed_step(c, step, None, torch.device("cpu"))
-                    if step >= cc.warmup_steps:
-                        times[c.mode].append(record["cpu_s"])
-                        if c.mode == "record_and_replay":
-                            demands = record["stats"]["demands"]
-            release(contenders)
-    finally:
-        torch.set_num_threads(threads)
-    medians = {m: statistics.median(t) for m, t in times.items()}
-    overhead = {m: _paired_overhead(t, times["plain"]) for m, t in times.items() if m != "plain"}
-    plain = medians["plain"]
-    return {
-        "world_size": cc.world_size,
-        "units": units,
-        "demands_per_step": demands,
-        "clock": "thread CPU time",
-        "median_step_s": medians,
-        "step_s": times,
-        "overhead_vs_plain": overhead,
-        "per_demand_us": {m: o * plain / demands * 1e6 for m, o in overhead.items() if demands},
-        "measure_waits_vs_replay": _paired_overhead(times[MEASURE_WAITS], times["record_and_replay"]),
-    }
-
-
-def _paired_overhead(times: list[float], baseline: list[float]) -> float:
-    """Median over rounds of (time / the baseline's time of the same round) - 1."""
-    return statistics.median(t / b for t, b in zip(times, baseline)) - 1
-
-
-def measure_host_cost(cfg: BenchConfig) -> list[dict[str, Any]]:
-    """``suite=host_cost``: :func:`measure_cpu_cost` at each of ``cpu_cost.unit_counts``, with
-    ``cpu_cost.scan_steps`` rounds each, so a cost that grows with the model shows as a trend."""
-    return [measure_cpu_cost(cfg, units=n, steps=cfg.cpu_cost.scan_steps) for n in cfg.cpu_cost.unit_counts]
-

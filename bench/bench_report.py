@@ -8,6 +8,8 @@ import statistics
 from pathlib import Path
 from typing import Any, Callable
 
+from bench_cpu_cost import PLAIN_CONTROL
+
 # Targets of issue 4, checked on every full run and written next to the figures.
 TARGET_VS_DEMAND = 1.25
 TARGET_SEQUENTIAL_VS_PLAIN = 0.98
@@ -147,7 +149,7 @@ def compare_depths(workloads: dict[str, Any], depths: list[str]) -> None:
 
     Contenders take turns step by step, so a round's steps ran under the same load; a ratio of
     medians would also compare the load of different minutes of the run (as the CPU-cost
-    protocol does, ``bench_measure.measure_cpu_cost``).
+    protocol does, ``bench_cpu_cost.measure_cpu_cost``).
     """
     from bench_config import AUTO, depth_contender
 
@@ -370,7 +372,9 @@ def cpu_cost_table(cpu_cost: dict[str, Any]) -> str:
     lines = [
         f"Fake backend, world size {cpu_cost['world_size']}, {cpu_cost['units']} units, "
         f"{cpu_cost['demands_per_step']} demands per step, {len(cpu_cost['step_s']['plain'])} rounds; "
-        f"{cpu_cost['clock']} of each step, overhead = median over rounds of (mode / plain of the same round) - 1:",
+        f"{cpu_cost['clock']} of each step, each contender in a process of its own, {cpu_cost['placements']} sets of "
+        f"processes in turn sharing the rounds; overhead = mean over sets of the median over rounds of (mode / plain of "
+        f"the same round) - 1; {PLAIN_CONTROL} is a second plain FSDP2, the protocol's own error:",
         "",
         "| mode | median step CPU ms | overhead vs plain FSDP2 | per demand µs |",
         "|---|---|---|---|",
@@ -413,9 +417,12 @@ def render_host_cost(report: dict[str, Any]) -> str:
     met = ", ".join(f"{m} {_overhead(v)} ({'met' if v <= HOST_COST_TARGET else 'NOT met'})" for m, v in worst.items())
     parts = _run_lines(report) + [
         f"Fake backend, world size {cc['world_size']}, one thread; units are MLP blocks of dim {cc['dim']}, hidden "
-        f"{cc['hidden']}, {cc['rows']} rows. Per unit count: {cc['warmup_steps']} warmup + {cc['scan_steps']} rounds "
-        f"of one step per contender (each round starts one contender later); thread CPU time per step; overhead = median over "
-        f"rounds of (contender / plain of the same round) - 1. Run took {report['wall_s']:.0f} s.",
+        f"{cc['hidden']}, {cc['rows']} rows. Per unit count: each contender in a process of its own (its model the first "
+        f"and only one there), {cc['scan_steps']} rounds of one step per contender (each round starts one contender "
+        f"later) shared among {cc['placements']} sets of fresh processes in turn, each after {cc['warmup_steps']} warmup "
+        f"rounds; thread CPU time per step; overhead = mean over sets of the median over their rounds of (contender / "
+        f"plain of the same round) - 1; {PLAIN_CONTROL} is a second plain FSDP2, the protocol's own error. "
+        f"Run took {report['wall_s']:.0f} s.",
         "",
         host_cost_table(scan),
         "",

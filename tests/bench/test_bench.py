@@ -28,10 +28,13 @@ REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "bench"
 sys.path.insert(0, str(BENCH))
 
+import bench_cpu_cost  # noqa: E402
 import bench_measure  # noqa: E402
 import bench_report  # noqa: E402
 import bench_netns  # noqa: E402
-from bench_config import CONDITIONAL_WORKLOADS, DEPTH_SETTLE_STEPS, MODES, WORKLOADS, RunConfig, depth_contender  # noqa: E402
+from bench_config import (  # noqa: E402
+    CONDITIONAL_WORKLOADS, DEPTH_SETTLE_STEPS, MODES, WORKLOADS, BenchConfig, RunConfig, depth_contender
+)
 from bench_probe import FSDPProbe, StepCounters  # noqa: E402
 
 
@@ -178,8 +181,27 @@ def test_cpu_cost_and_targets_are_reported(quick_run):
     report = quick_run[0]
     cost = report["cpu_cost"]
     assert cost["world_size"] == 8 and cost["demands_per_step"] > cost["units"]
-    assert set(cost["overhead_vs_plain"]) == {"demand", "static", "record_and_replay", bench_measure.MEASURE_WAITS}
+    assert set(cost["overhead_vs_plain"]) == {
+        "demand", "static", "record_and_replay", bench_cpu_cost.MEASURE_WAITS, bench_cpu_cost.PLAIN_CONTROL
+    }
     assert any(t["target"].startswith("scheduler CPU cost") for t in report["targets"])
+
+
+def test_a_cpu_cost_contender_that_fails_raises_its_error_and_every_contender_process_ends(monkeypatch):
+    """Each contender runs in a process of its own ([Note: a process per contender]): one that fails
+    raises its traceback, named, in the caller, and none is left running."""
+    started: list[subprocess.Popen] = []
+    popen = subprocess.Popen
+
+    def recorded(*args: Any, **kwargs: Any) -> subprocess.Popen:
+        started.append(process := popen(*args, **kwargs))
+        return process
+
+    monkeypatch.setattr(bench_cpu_cost.subprocess, "Popen", recorded)
+    monkeypatch.setattr(bench_cpu_cost, "_CONTENDERS", (("plain", "plain", False), ("no such mode", "bogus", False)))
+    with pytest.raises(RuntimeError, match=r"(?s)contender 'no such mode' failed:.*'bogus'"):
+        bench_cpu_cost.measure_cpu_cost(BenchConfig(bench=RunConfig(quick=True)), units=2, steps=1)
+    assert len(started) == 2 and all(process.poll() is not None for process in started)
 
 
 def test_rate_limited_namespace_is_used_as_root_and_removed(quick_run):
@@ -367,7 +389,7 @@ def test_host_cost_run_reports_every_mode_at_every_unit_count_against_plain(host
     assert table.strip() in stdout and not leaked and "workloads" not in report
     scan = report["host_cost"]
     assert [row["units"] for row in scan] == report["config"]["cpu_cost"]["unit_counts"] == [4, 16]
-    contenders = [m for m in MODES if m != "plain"] + [bench_measure.MEASURE_WAITS]
+    contenders = [m for m in MODES if m != "plain"] + [bench_cpu_cost.MEASURE_WAITS, bench_cpu_cost.PLAIN_CONTROL]
     for row in scan:
         assert list(row["overhead_vs_plain"]) == contenders and all(len(t) == 3 for t in row["step_s"].values())
         assert all(math.isfinite(x) for x in [*row["overhead_vs_plain"].values(), row["measure_waits_vs_replay"]])
@@ -384,6 +406,20 @@ def test_host_cost_unit_counts_reject_anything_but_integers_from_2_naming_the_va
 
     with pytest.raises(ValueError, match=r"CpuCostConfig.unit_counts must be one or more integers >= 2, got "):
         CpuCostConfig(unit_counts=counts)
+
+
+@pytest.mark.parametrize("fields", [{"placements": 0}, {"placements": 5, "scan_steps": 4}, {"placements": 3, "steps": 2}])
+def test_cpu_cost_placements_must_leave_each_placement_a_round_naming_the_values(fields):
+    from bench_config import CpuCostConfig
+
+    with pytest.raises(ValueError, match=r"CpuCostConfig\.placements must be"):
+        CpuCostConfig(**fields)
+
+
+def test_cpu_cost_rounds_are_shared_among_placements_as_evenly_as_they_divide():
+    assert bench_cpu_cost._shares(20, 4) == [5, 5, 5, 5]
+    assert bench_cpu_cost._shares(3, 2) == [2, 1]
+    assert bench_cpu_cost._shares(7, 3) == [3, 2, 2]
 
 
 @pytest.fixture(scope="module")
