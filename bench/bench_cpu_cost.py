@@ -16,11 +16,17 @@ a process's placement still moves its steps for its whole life: ``PLAIN_CONTROL`
 was +2.8 and -1.7% at 256 units and -3.4% at 1024 (one set of processes, 10 rounds each). So each
 figure is a mean over ``cpu_cost.placements`` sets of fresh processes, and the control's figure,
 printed in every run, shows how finely that run can be read.
+
+[Note: one core for every step] Each process sleeps while the others step, and woken on whichever
+core was idle, a step of plain FSDP2 at 16 units took 18 ms or 30-36 ms (7 of 20 in one run, on
+this 2-vCPU VM); with every contender's steps on one core, 18-26 ms. So each contender builds its
+model on any core, then keeps to the first core this process may run on (``_TIMING_CPU``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import socket
 import statistics
 import subprocess
@@ -50,6 +56,8 @@ _CONTENDERS: tuple[tuple[str, str, bool], ...] = (
 )
 """(name in the results, mode, measure_waits) of each contender."""
 _READY = "ready"
+_TIMING_CPU = min(os.sched_getaffinity(0)) if hasattr(os, "sched_setaffinity") else None
+"""The core every contender's steps run on, where the OS lets a process choose (Linux)."""
 _START_TIMEOUT_S = 600
 """How long a contender may take to import torch and build its model (1024 units, 2 busy cores)."""
 
@@ -154,7 +162,7 @@ class _Contenders:
                     )
                 self._processes.append(process)
                 self._conns[name] = conn = Connection(ours.detach())
-                conn.send((self._cfg, self._units, mode, measure_waits))
+                conn.send((self._cfg, self._units, mode, measure_waits, _TIMING_CPU))
             for name in self.names:  # all built before the first timed step
                 self._receive(name, timeout=_START_TIMEOUT_S)
         except BaseException:
@@ -198,13 +206,15 @@ class _Contenders:
 def _contender_process(conn: Connection) -> None:
     """A contender's process: build its model first, then run each step it is sent until None."""
     try:
-        cfg, units, mode, measure_waits = conn.recv()
+        cfg, units, mode, measure_waits, timing_cpu = conn.recv()
         torch.set_num_threads(1)
         cc = cfg.cpu_cost
         with fake_world(cc.world_size) as mesh:
             w = workload("sequential", dim=cc.dim, hidden=cc.hidden, n_blocks=units, rows=cc.rows)
             run = dataclasses.replace(cfg.bench, quick=False)
             contender = build_contender(mode, w, mesh, run, metered=False, measure_waits=measure_waits)
+            if timing_cpu is not None:  # built on every core, stepped on one: [Note: one core for every step]
+                os.sched_setaffinity(0, {timing_cpu})
             conn.send((_READY, None))
             while (step := conn.recv()) is not None:
                 record = timed_step(contender, step, None, torch.device("cpu"))
