@@ -17,6 +17,14 @@ was +2.8 and -1.7% at 256 units and -3.4% at 1024 (one set of processes, 10 roun
 figure is a mean over ``cpu_cost.placements`` sets of fresh processes, and the control's figure,
 printed in every run, shows how finely that run can be read.
 
+[Note: a frozen heap] A full garbage collection of a 1024-unit contender's heap (500-600k objects)
+took 280-320 ms of a 1.1-1.2 s step, about one step in six, in plain FSDP2 and record_and_replay
+alike (30-31 young collections a step in each): a pause that lands in a timed step or not by chance.
+Each contender freezes what it holds once built (``gc.freeze``), so a collection walks only what
+came after (trainers keep full collections out of their steps too: torchtitan disables the
+collector and collects the young generations every few steps); ``gc_collections_per_step`` in the
+results shows whether a mode makes the collector run more often.
+
 [Note: one core for every step] Each process sleeps while the others step, and woken on whichever
 core was idle, a step of plain FSDP2 at 16 units took 18 ms or 30-36 ms (7 of 20 in one run, on
 this 2-vCPU VM); with every contender's steps on one core, 18-26 ms. So each contender builds its
@@ -26,6 +34,7 @@ model on any core, then keeps to the first core this process may run on (``_TIMI
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import socket
 import statistics
@@ -78,8 +87,9 @@ def measure_cpu_cost(cfg: BenchConfig, *, units: int | None = None, steps: int |
     steps = cc.steps if steps is None else steps
     names = [name for name, _, _ in _CONTENDERS]
     measured = [_measure_placement(cfg, units, rounds) for rounds in _shares(steps, cc.placements)]
-    placements = [times for times, _ in measured]
+    placements = [times for times, _, _ in measured]
     demands = measured[-1][1]
+    collections = {name: [sum(c[name][g] for _, _, c in measured) / steps for g in range(3)] for name in names}
     times = {name: [t for placement in placements for t in placement[name]] for name in names}
     by_placement = {
         name: [_paired_overhead(p[name], p["plain"]) for p in placements] for name in names if name != "plain"
@@ -97,6 +107,7 @@ def measure_cpu_cost(cfg: BenchConfig, *, units: int | None = None, steps: int |
         "step_s": times,
         "overhead_vs_plain": overhead,
         "overhead_by_placement": by_placement,
+        "gc_collections_per_step": collections,
         "per_demand_us": {name: o * plain / demands * 1e6 for name, o in overhead.items() if demands},
         "measure_waits_vs_replay": statistics.fmean(
             _paired_overhead(p[MEASURE_WAITS], p["record_and_replay"]) for p in placements
@@ -116,11 +127,13 @@ def _shares(rounds: int, placements: int) -> list[int]:
     return [share + (i < extra) for i in range(placements)]
 
 
-def _measure_placement(cfg: BenchConfig, units: int, rounds: int) -> tuple[dict[str, list[float]], int]:
+def _measure_placement(cfg: BenchConfig, units: int, rounds: int) -> tuple[dict[str, list[float]], int, dict[str, list[int]]]:
     """``rounds`` timed rounds (after ``cpu_cost.warmup_steps``) of fresh contender processes:
-    each contender's step times, and a replayed step's demand count."""
+    each contender's step times, a replayed step's demand count, and each contender's garbage
+    collections per generation in its timed steps."""
     warmup = cfg.cpu_cost.warmup_steps
     times: dict[str, list[float]] = {name: [] for name, _, _ in _CONTENDERS}
+    collected = {name: [0, 0, 0] for name, _, _ in _CONTENDERS}
     replayed_demands = 0
     with _Contenders(cfg, units) as contenders:
         for step in range(warmup + rounds):
@@ -128,12 +141,13 @@ def _measure_placement(cfg: BenchConfig, units: int, rounds: int) -> tuple[dict[
             # previous round's last) or always right after plain.
             first = step % len(contenders.names)
             for name in contenders.names[first:] + contenders.names[:first]:
-                cpu_s, demands = contenders.step(name, step)
+                cpu_s, demands, collections = contenders.step(name, step)
                 if step >= warmup:
                     times[name].append(cpu_s)
+                    collected[name] = [total + n for total, n in zip(collected[name], collections)]
                     if name == "record_and_replay":
                         replayed_demands = demands
-    return times, replayed_demands
+    return times, replayed_demands, collected
 
 
 def _paired_overhead(times: list[float], baseline: list[float]) -> float:
@@ -170,8 +184,9 @@ class _Contenders:
             raise
         return self
 
-    def step(self, name: str, step: int) -> tuple[float, int]:
-        """Run step ``step`` of contender ``name``: its thread CPU seconds and demands (0 for plain)."""
+    def step(self, name: str, step: int) -> tuple[float, int, list[int]]:
+        """Run step ``step`` of contender ``name``: its thread CPU seconds, demands (0 for plain) and
+        garbage collections per generation."""
         self._conns[name].send(step)
         return self._receive(name)
 
@@ -215,15 +230,24 @@ def _contender_process(conn: Connection) -> None:
             contender = build_contender(mode, w, mesh, run, metered=False, measure_waits=measure_waits)
             if timing_cpu is not None:  # built on every core, stepped on one: [Note: one core for every step]
                 os.sched_setaffinity(0, {timing_cpu})
+            gc.collect()
+            gc.freeze()  # [Note: a frozen heap]
             conn.send((_READY, None))
             while (step := conn.recv()) is not None:
+                before = _collections()
                 record = timed_step(contender, step, None, torch.device("cpu"))
-                conn.send(("step", (record["cpu_s"], record.get("stats", {}).get("demands", 0))))
+                collections = [after - was for after, was in zip(_collections(), before)]
+                conn.send(("step", (record["cpu_s"], record.get("stats", {}).get("demands", 0), collections)))
             release([contender])
     except BaseException:
         conn.send(("error", traceback.format_exc()))
     finally:
         conn.close()
+
+
+def _collections() -> list[int]:
+    """Garbage collections so far in this process, per generation."""
+    return [generation["collections"] for generation in gc.get_stats()]
 
 
 if __name__ == "__main__":
