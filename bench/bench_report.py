@@ -372,7 +372,8 @@ def cpu_cost_table(cpu_cost: dict[str, Any]) -> str:
     lines = [
         f"Fake backend, world size {cpu_cost['world_size']}, {cpu_cost['units']} units, "
         f"{cpu_cost['demands_per_step']} demands per step, {len(cpu_cost['step_s']['plain'])} rounds; "
-        f"{cpu_cost['clock']} of each step, each contender in a process of its own, {cpu_cost['placements']} sets of "
+        f"{cpu_cost['clock']} of each step, each contender in a process of its own (heap frozen once built, steps on "
+        f"one core), {cpu_cost['placements']} sets of "
         f"processes in turn sharing the rounds; overhead = mean over sets of the median over rounds of (mode / plain of "
         f"the same round) - 1; {PLAIN_CONTROL} is a second plain FSDP2, the protocol's own error:",
         "",
@@ -418,7 +419,7 @@ def render_host_cost(report: dict[str, Any]) -> str:
     parts = _run_lines(report) + [
         f"Fake backend, world size {cc['world_size']}, one thread; units are MLP blocks of dim {cc['dim']}, hidden "
         f"{cc['hidden']}, {cc['rows']} rows. Per unit count: each contender in a process of its own (its model the first "
-        f"and only one there), {cc['scan_steps']} rounds of one step per contender (each round starts one contender "
+        f"and only one there, its heap frozen once built, its steps on one core), {cc['scan_steps']} rounds of one step per contender (each round starts one contender "
         f"later) shared among {cc['placements']} sets of fresh processes in turn, each after {cc['warmup_steps']} warmup "
         f"rounds; thread CPU time per step; overhead = mean over sets of the median over their rounds of (contender / "
         f"plain of the same round) - 1; {PLAIN_CONTROL} is a second plain FSDP2, the protocol's own error. "
