@@ -85,11 +85,13 @@ def measure_cpu_cost(cfg: BenchConfig, *, units: int | None = None, steps: int |
     cc = cfg.cpu_cost
     units = cc.units if units is None else units
     steps = cc.steps if steps is None else steps
-    names = [name for name, _, _ in _CONTENDERS]
     measured = [_measure_placement(cfg, units, rounds) for rounds in _shares(steps, cc.placements)]
     placements = [times for times, _, _ in measured]
     demands = measured[-1][1]
-    collections = {name: [sum(c[name][g] for _, _, c in measured) / steps for g in range(3)] for name in names}
+    names = list(placements[0])
+    collections = {
+        name: [sum(counts) / steps for counts in zip(*(collected[name] for _, _, collected in measured))] for name in names
+    }
     times = {name: [t for placement in placements for t in placement[name]] for name in names}
     by_placement = {
         name: [_paired_overhead(p[name], p["plain"]) for p in placements] for name in names if name != "plain"
@@ -132,10 +134,10 @@ def _measure_placement(cfg: BenchConfig, units: int, rounds: int) -> tuple[dict[
     each contender's step times, a replayed step's demand count, and each contender's garbage
     collections per generation in its timed steps."""
     warmup = cfg.cpu_cost.warmup_steps
-    times: dict[str, list[float]] = {name: [] for name, _, _ in _CONTENDERS}
-    collected = {name: [0, 0, 0] for name, _, _ in _CONTENDERS}
     replayed_demands = 0
     with _Contenders(cfg, units) as contenders:
+        times: dict[str, list[float]] = {name: [] for name in contenders.names}
+        collected = {name: [0] * len(gc.get_stats()) for name in contenders.names}
         for step in range(warmup + rounds):
             # Each round starts with the next contender, so none always runs first (after the
             # previous round's last) or always right after plain.

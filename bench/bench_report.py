@@ -368,14 +368,21 @@ def bound_table(workloads: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _cpu_cost_protocol(placements: int) -> str:
+    """How ``bench_cpu_cost`` times its contenders, in the words both of its tables print."""
+    return (
+        f"each contender in a process of its own (its model the first and only one there, its heap frozen once "
+        f"built, its steps on one core), the rounds shared among {placements} sets of fresh processes in turn; "
+        f"overhead = mean over sets of the median over their rounds of (contender / plain of the same round) - 1; "
+        f"{PLAIN_CONTROL} is a second plain FSDP2, the protocol's own error"
+    )
+
+
 def cpu_cost_table(cpu_cost: dict[str, Any]) -> str:
     lines = [
         f"Fake backend, world size {cpu_cost['world_size']}, {cpu_cost['units']} units, "
         f"{cpu_cost['demands_per_step']} demands per step, {len(cpu_cost['step_s']['plain'])} rounds; "
-        f"{cpu_cost['clock']} of each step, each contender in a process of its own (heap frozen once built, steps on "
-        f"one core), {cpu_cost['placements']} sets of "
-        f"processes in turn sharing the rounds; overhead = mean over sets of the median over rounds of (mode / plain of "
-        f"the same round) - 1; {PLAIN_CONTROL} is a second plain FSDP2, the protocol's own error:",
+        f"{cpu_cost['clock']} of each step; {_cpu_cost_protocol(cpu_cost['placements'])}:",
         "",
         "| mode | median step CPU ms | overhead vs plain FSDP2 | per demand µs |",
         "|---|---|---|---|",
@@ -418,12 +425,9 @@ def render_host_cost(report: dict[str, Any]) -> str:
     met = ", ".join(f"{m} {_overhead(v)} ({'met' if v <= HOST_COST_TARGET else 'NOT met'})" for m, v in worst.items())
     parts = _run_lines(report) + [
         f"Fake backend, world size {cc['world_size']}, one thread; units are MLP blocks of dim {cc['dim']}, hidden "
-        f"{cc['hidden']}, {cc['rows']} rows. Per unit count: each contender in a process of its own (its model the first "
-        f"and only one there, its heap frozen once built, its steps on one core), {cc['scan_steps']} rounds of one step per contender (each round starts one contender "
-        f"later) shared among {cc['placements']} sets of fresh processes in turn, each after {cc['warmup_steps']} warmup "
-        f"rounds; thread CPU time per step; overhead = mean over sets of the median over their rounds of (contender / "
-        f"plain of the same round) - 1; {PLAIN_CONTROL} is a second plain FSDP2, the protocol's own error. "
-        f"Run took {report['wall_s']:.0f} s.",
+        f"{cc['hidden']}, {cc['rows']} rows. Per unit count: {cc['scan_steps']} rounds of one step per contender (each "
+        f"round starts one contender later), each set of processes after {cc['warmup_steps']} warmup rounds; thread CPU "
+        f"time per step; {_cpu_cost_protocol(cc['placements'])}. Run took {report['wall_s']:.0f} s.",
         "",
         host_cost_table(scan),
         "",
