@@ -77,9 +77,13 @@ def calls_per_step(
     measure_waits: bool = False,
     units: int = 64,
     opcodes: bool = False,
-) -> tuple[pstats.Stats | OpcodeCount, int]:
+    counter: Any = None,
+) -> tuple[pstats.Stats | OpcodeCount | Any, int]:
     """The profile (or, with ``opcodes``, the opcode count) of ``steps`` steps of ``mode`` on
-    ``units`` units (after ``warmup`` steps, which record), and demands per step."""
+    ``units`` units (after ``warmup`` steps, which record), and demands per step.
+
+    ``counter``: anything with ``enable()`` and ``disable()`` to use instead (bench_cache.py's
+    callgrind switch), returned as it is."""
     w = workload("sequential", dim=16, hidden=32, n_blocks=units, rows=4)
     model = w.make_model().shard(mesh)
     sched = attach(model, PrefetchConfig(mode=mode, measure_waits=measure_waits)) if mode != "plain" else None
@@ -97,7 +101,7 @@ def calls_per_step(
     for i in range(warmup):
         step(i)
     # CPU time: what other processes on the machine take is left out
-    profile = OpcodeCount() if opcodes else cProfile.Profile(time.thread_time)
+    profile = counter or (OpcodeCount() if opcodes else cProfile.Profile(time.thread_time))
     profile.enable()
     for i in range(warmup, warmup + steps):
         step(i)
@@ -106,7 +110,7 @@ def calls_per_step(
     if sched is not None:
         demands = sched.stats.per_key["train"].demands // (warmup + steps)
         sched.detach()
-    return (profile if opcodes else pstats.Stats(profile)), demands
+    return (pstats.Stats(profile) if isinstance(profile, cProfile.Profile) else profile), demands
 
 
 def print_profile(profile: pstats.Stats, demands: int, steps: int, top: int = 25) -> None:
