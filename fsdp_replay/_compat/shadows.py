@@ -163,7 +163,7 @@ class GroupShadow:
         if result is None or group._training_state not in _USE_STATES:
             return self._cls.wait_for_unshard(group)
         work = result.all_gather_work
-        running = isinstance(work, dist.distributed_c10d.Work) and not work.is_completed()
+        running = isinstance(work, dist.distributed_c10d.Work) and not collective_finished(work)
         if self._on_host:
             if running:
                 start = time.perf_counter()
@@ -188,6 +188,26 @@ class GroupShadow:
     def _waited(self, seconds: float) -> None:
         for waited, _ in self.timers:
             waited(seconds)
+
+
+def collective_finished(work: dist.distributed_c10d.Work) -> bool:
+    """Whether ``work``'s collective has finished, asked of its future rather than of the Work.
+
+    [Note: never Work.is_completed()] ``Work.is_completed()`` keeps the GIL while it waits for
+    the Work's lock. Gloo's thread holds that lock while it finishes the work, and under the
+    profiler it then runs a callback that restores the issuing thread's state, Python objects
+    included (the saved-tensor hooks of activation checkpointing): that callback needs the GIL.
+    Both ranks of the benchmark's checkpointed workload hung there with ``bench.profile=true``;
+    two gloo ranks that poll ``is_completed()`` on gathers issued inside ``saved_tensors_hooks``
+    under the profiler hang within 300 gathers, while polling the future's ``done()``, which takes
+    only the future's own lock, ran 3000 (tests/gloo/test_gather_poll.py). A Work with no future
+    (a third-party backend's) is asked directly.
+    """
+    try:
+        future = work.get_future()
+    except RuntimeError:  # "getFuture is not implemented for this Work"
+        return work.is_completed()
+    return future.done()
 
 
 def _collective(group: Any) -> bool:

@@ -14,6 +14,7 @@ from torch.distributed._composable_state import _get_module_state
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 
+from fsdp_replay._compat.shadows import collective_finished
 from fsdp_replay._window import PrefetchWindow
 from fsdp_replay.scheduler import PrefetchScheduler
 
@@ -53,7 +54,7 @@ def gather_running(group: Any) -> bool:
         return False
     work = result.all_gather_work
     if work is not None:
-        return not work.is_completed()
+        return not collective_finished(work)  # [Note: never Work.is_completed()]
     return result.all_gather_event is not None and not result.all_gather_event.query()
 
 
