@@ -1,6 +1,6 @@
 """Instructions and simulated L2 misses per demand each mode adds to plain FSDP2: the CPU cost, counted.
 
-python bench/bench_cache.py [--units 16] [--steps 4] [--seeds 3] [--l2-kib 1024] [--jobs 2]
+python bench/bench_cache.py [--units 16] [--steps 4] [--seeds 3] [--l2-kib 1024] [--jobs N]
 
 Each contender runs ``bench_calls.calls_per_step``'s workload (fake backend, world 8, tiny MLP
 units) in a process of its own under valgrind's callgrind, which counts every machine instruction
@@ -86,14 +86,13 @@ class Counted:
 
 def build_switch(directory: str) -> str:
     """Compile the counting switch; its path. Raises RuntimeError naming what is missing."""
-    missing = [tool for tool in ("valgrind", os.environ.get("CC", "cc"), "setarch") if shutil.which(tool) is None]
+    compiler = os.environ.get("CC", "cc")
+    missing = [tool for tool in ("valgrind", compiler, "setarch") if shutil.which(tool) is None]
     if missing:
         raise RuntimeError(f"bench_cache.py needs valgrind, a C compiler and setarch on PATH; missing: {missing}")
     source, library = Path(directory, "switch.c"), str(Path(directory, "libswitch.so"))
     source.write_text(_SWITCH_C)
-    built = subprocess.run(
-        [os.environ.get("CC", "cc"), "-O2", "-shared", "-fPIC", "-o", library, str(source)], capture_output=True, text=True
-    )
+    built = subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-o", library, str(source)], capture_output=True, text=True)
     if built.returncode != 0:
         raise RuntimeError(f"could not build the callgrind switch (is valgrind/callgrind.h installed?):\n{built.stderr}")
     return library
