@@ -7,9 +7,9 @@ units) in a process of its own under valgrind's callgrind, which counts every ma
 of the timed steps (Python's interpreter, torch's C++, the scheduler) and simulates the caches,
 the last level sized as one core's L2 (``--l2-kib``, this machine's EPYC: 1 MiB). A time moves
 with what else the host runs; these counts barely do: address randomization off and
-``PYTHONHASHSEED`` fixed, two runs of a seed differ by a few instructions in ten million and a few
-misses in a hundred thousand (36 of 11.1 M and 1 of 43.8 k at 2 units; 60 of 264 M and 8 of 546 k
-at 16). Where the heap lands still moves the
+``PYTHONHASHSEED`` fixed, two runs of a seed differ by at most a few instructions in a hundred thousand
+and a few misses in a hundred thousand (up to 198 of 11.1 M and 1 of 43.8 k at 2 units; 60 of 264 M
+and 8 of 546 k at 16). Where the heap lands still moves the
 misses by a few percent, so each contender runs once per seed (0 .. ``--seeds``-1) and the table
 shows the mean and the range over seeds. Needs valgrind with its ``callgrind.h`` and a C compiler
 (``$CC``, default ``cc``) for the switch that limits counting to the timed steps.

@@ -65,12 +65,13 @@ def test_a_contender_counts_the_same_twice_for_a_seed_and_replay_counts_its_dema
     run = {"units": 2, "steps": 1, "l2_kib": 1024, "library": library}
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         first, second = pool.map(lambda _: bench_cache.run_contender("plain", seed=0, **run), range(2))
-    # Not to the instruction: two runs of a seed differed by 36 of 11.1 M instructions and 1 of 43.8 k
-    # misses in a fresh clone. With address randomization on, misses move by several percent.
+    # Not to the instruction: two runs of a seed differed by up to 198 of 11.1 M instructions (1.8e-5)
+    # and 1 of 43.8 k L2 misses in a fresh clone; with address randomization on, 16-unit runs moved
+    # by 0.24% (instructions) and 8% (L2 misses). The bounds sit between the two.
     assert first.demands == second.demands
-    assert first.counts["instructions"] == pytest.approx(second.counts["instructions"], rel=1e-5)
-    assert first.counts["L1 misses"] == pytest.approx(second.counts["L1 misses"], rel=1e-4)
-    assert first.counts["L2 misses"] == pytest.approx(second.counts["L2 misses"], rel=1e-3)
+    assert first.counts["instructions"] == pytest.approx(second.counts["instructions"], rel=1e-4)
+    assert first.counts["L1 misses"] == pytest.approx(second.counts["L1 misses"], rel=1e-3)
+    assert first.counts["L2 misses"] == pytest.approx(second.counts["L2 misses"], rel=1e-2)
     assert first.counts["instructions"] > 100_000 and 0 < first.counts["L2 misses"] < first.counts["L1 misses"]
     replay = bench_cache.run_contender("record_and_replay", seed=0, **run)
     assert replay.demands == 6  # 2 units: 3 forward demands (root included), 3 backward
