@@ -114,11 +114,19 @@ def parse_counts(valgrind_stderr: str) -> dict[str, int]:
 def run_contender(name: str, *, units: int, steps: int, seed: int, l2_kib: int, library: str) -> Counted:
     """``name``'s steps under callgrind in a fresh process, repeatable for a given ``seed``."""
     mode, measure_waits = _CONTENDERS[name]
+    child = [__file__, "--child", mode, str(int(measure_waits)), str(units), str(steps), library]
+    return count_under_callgrind(name, child, seed=seed, l2_kib=l2_kib)
+
+
+def count_under_callgrind(name: str, child: list[str], *, seed: int, l2_kib: int) -> Counted:
+    """Run ``python *child`` under callgrind; the child counts through the switch and prints
+    ``{"demands": n}`` last (as :func:`_child` does). ``name`` only labels an error."""
     command = [
         *("setarch", platform.machine(), "-R"),  # no address randomization: the same seed gives the same counts
         *("valgrind", "--tool=callgrind", "--cache-sim=yes", f"--LL={l2_kib * 1024},8,64"),
         *("--instr-atstart=no", "--callgrind-out-file=/dev/null"),
-        *(sys.executable, __file__, "--child", mode, str(int(measure_waits)), str(units), str(steps), library),
+        sys.executable,
+        *child,
     ]
     done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONHASHSEED": str(seed)})
     if done.returncode != 0:

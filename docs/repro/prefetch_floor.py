@@ -1,0 +1,140 @@
+"""How much of record_and_replay's L2 misses a leaner scheduler could save: counted against what
+prefetching costs without any scheduler (docs/HOST_COST.md, "The floor: what prefetching costs").
+
+    bash scripts/dev.sh python docs/repro/prefetch_floor.py 16 4 3   # units, counted steps, seeds; about 3 min on 2 cores
+
+Four contenders, each run once per seed under callgrind as ``bench/bench_cache.py`` runs its own
+(same workload, switch, cache model and pairing with plain's run of the same seed):
+
+- ``plain``: plain FSDP2;
+- ``plain + user prefetch``: plain FSDP2 plus the few lines a user would write to prefetch by hand
+  (each block's forward pre-hook issues the next block's ``unshard(async_op=True)``): the cost of
+  asynchronous gathers themselves, with no scheduler, in forward only;
+- ``replay, no bookkeeping``: record_and_replay whose replayed demands only classify, leave the
+  window, move the cursor and refill (``Replay.provide``), a throwaway patch that drops the scope's
+  log, counters and checks (``explain()``, stats, divergence): the most a leaner demand path saves;
+- ``record_and_replay``: as it is.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+import bench_cache  # noqa: E402
+
+_VARIANTS = {
+    "plain": "plain",
+    "plain + user prefetch": "plain",
+    "replay, no bookkeeping": "record_and_replay",
+    "record_and_replay": "record_and_replay",
+}
+"""Name in the table -> the mode its child runs."""
+
+
+def _user_prefetch() -> None:
+    """Each block's forward pre-hook starts the next block's gather (FSDP2's public API)."""
+    import bench_calls
+
+    make_workload = bench_calls.workload
+
+    def workload(*args: Any, **kwargs: Any) -> Any:
+        w = make_workload(*args, **kwargs)
+        make_model = w.make_model
+
+        def model_that_prefetches() -> Any:
+            model = make_model()
+            shard = model.shard
+
+            def shard_and_prefetch(mesh: Any, **options: Any) -> Any:
+                root = shard(mesh, **options)
+                blocks = list(model.blocks)
+                for block, following in zip(blocks, blocks[1:]):
+                    block.register_forward_pre_hook(_prefetches(following))
+                return root
+
+            model.shard = shard_and_prefetch
+            return model
+
+        return dataclasses.replace(w, make_model=model_that_prefetches)
+
+    bench_calls.workload = workload
+
+
+def _prefetches(following: Any) -> Any:
+    def prefetch(module: Any, args: Any) -> None:
+        following.unshard(async_op=True)
+
+    return prefetch
+
+
+def _no_bookkeeping() -> None:
+    """A replayed demand: classify, leave the window, gather a miss, move the cursor, refill; nothing logged."""
+    from fsdp_replay import _compat
+    from fsdp_replay._order import Phase
+    from fsdp_replay._strategies import Replay, gather_at_demand
+    from fsdp_replay.scheduler import PrefetchScheduler
+    from fsdp_replay.stats import Demand
+
+    on_demand = PrefetchScheduler.on_demand
+
+    def lean_on_demand(self: PrefetchScheduler, unit: Any, phase: Phase, state: Any) -> None:
+        scope = self._scopes.open
+        if scope is None or type(scope.strategy) is not Replay:
+            return on_demand(self, unit, phase, state)  # recording scopes as they are
+        demand = _compat.classify_demand(state, backward=phase is Phase.backward)
+        self._window.take(unit)
+        scope.served.append(demand)  # the scope's end counts its demands from this
+        if demand is Demand.miss:
+            self._window.gathered(unit)
+            gather_at_demand(unit, phase)
+        scope.strategy.cursor.take(unit, phase)
+        scope.strategy.provide(demanded=unit)
+
+    PrefetchScheduler.on_demand = lean_on_demand
+
+
+def _child(variant: str, units: int, steps: int, library: str) -> None:
+    if variant == "plain + user prefetch":
+        _user_prefetch()
+    elif variant == "replay, no bookkeeping":
+        _no_bookkeeping()
+    bench_cache._child(_VARIANTS[variant], False, units, steps, library)
+
+
+def main(units: int, steps: int, seeds: int) -> None:
+    jobs = os.cpu_count() or 1
+    with tempfile.TemporaryDirectory() as directory, concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+        library = bench_cache.build_switch(directory)
+        runs = {
+            (name, seed): pool.submit(
+                bench_cache.count_under_callgrind,
+                name,
+                [__file__, "--child", name, str(units), str(steps), library],
+                seed=seed,
+                l2_kib=1024,
+            )
+            for seed in range(seeds)
+            for name in _VARIANTS
+        }
+        results = {name: [runs[name, seed].result() for seed in range(seeds)] for name in _VARIANTS}
+    print(bench_cache.table(results, steps))
+    replay, lean = (statistics.mean(r.counts["L2 misses"] for r in results[n]) for n in ("record_and_replay", "replay, no bookkeeping"))
+    plain = statistics.mean(r.counts["L2 misses"] for r in results["plain"])
+    print(f"no bookkeeping keeps {(lean - plain) / (replay - plain):.0%} of record_and_replay's L2 misses over plain's")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--child"]:
+        name, units, steps, library = sys.argv[2:]
+        _child(name, int(units), int(steps), library)
+    else:
+        main(*(int(a) for a in (sys.argv[1:] or ["16", "4", "3"])))
