@@ -1,7 +1,7 @@
 """How much of record_and_replay's L2 misses a leaner scheduler could save: counted against what
-prefetching costs without any scheduler (docs/HOST_COST.md, "The floor: what prefetching costs").
+prefetching costs without any scheduler (docs/HOST_COST.md, "The floor: what a leaner demand path could save").
 
-    bash scripts/dev.sh python docs/repro/prefetch_floor.py 16 4 3   # units, counted steps, seeds; about 3 min on 2 cores
+    bash scripts/dev.sh python docs/repro/prefetch_floor.py 16 4 3   # units, counted steps, seeds; 4 min on 2 cores (7.5 with 6 seeds)
 
 Four contenders, each run once per seed under callgrind as ``bench/bench_cache.py`` runs its own
 (same workload, switch, cache model and pairing with plain's run of the same seed):
@@ -13,6 +13,9 @@ Four contenders, each run once per seed under callgrind as ``bench/bench_cache.p
 - ``replay, no bookkeeping``: record_and_replay whose replayed demands only classify, leave the
   window, move the cursor and refill (``Replay.provide``), a throwaway patch that drops the scope's
   log, counters and checks (``explain()``, stats, divergence): the most a leaner demand path saves;
+- ``replay, synchronous gathers``: record_and_replay whose gathers are issued with
+  ``async_op=False`` (a throwaway patch: on CPU nothing then overlaps): what FSDP2's asynchronous
+  path (its Work and future objects) costs;
 - ``record_and_replay``: as it is.
 """
 
@@ -35,6 +38,7 @@ _VARIANTS = {
     "plain": "plain",
     "plain + user prefetch": "plain",
     "replay, no bookkeeping": "record_and_replay",
+    "replay, synchronous gathers": "record_and_replay",
     "record_and_replay": "record_and_replay",
 }
 """Name in the table -> the mode its child runs."""
@@ -102,11 +106,21 @@ def _no_bookkeeping() -> None:
     PrefetchScheduler.on_demand = lean_on_demand
 
 
+def _synchronous_gathers() -> None:
+    """The scheduler's gathers as FSDP2 issues one at a use: ``async_op=False``."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    unshard = FSDPParamGroup.unshard
+    FSDPParamGroup.unshard = lambda group, async_op=False: unshard(group, async_op=False)
+
+
 def _child(variant: str, units: int, steps: int, library: str) -> None:
     if variant == "plain + user prefetch":
         _user_prefetch()
     elif variant == "replay, no bookkeeping":
         _no_bookkeeping()
+    elif variant == "replay, synchronous gathers":
+        _synchronous_gathers()
     bench_cache._child(_VARIANTS[variant], False, units, steps, library)
 
 
