@@ -1,15 +1,17 @@
 """How much of record_and_replay's L2 misses a leaner scheduler could save: counted against what
 prefetching costs without any scheduler (docs/HOST_COST.md, "The floor: what a leaner demand path could save").
 
-    bash scripts/dev.sh python docs/repro/prefetch_floor.py 16 4 3   # units, counted steps, seeds; 4 min on 2 cores (7.5 with 6 seeds)
+    bash scripts/dev.sh python docs/repro/prefetch_floor.py 16 4 3   # units, counted steps, seeds; 5 min on 2 cores (9 with 6 seeds)
 
-Four contenders, each run once per seed under callgrind as ``bench/bench_cache.py`` runs its own
+Six contenders, each run once per seed under callgrind as ``bench/bench_cache.py`` runs its own
 (same workload, switch, cache model and pairing with plain's run of the same seed):
 
 - ``plain``: plain FSDP2;
 - ``plain + user prefetch``: plain FSDP2 plus the few lines a user would write to prefetch by hand
   (each block's forward pre-hook issues the next block's ``unshard(async_op=True)``): the cost of
   asynchronous gathers themselves, with no scheduler, in forward only;
+- ``plain + FSDP2 forward prefetch``: plain FSDP2 told to prefetch the next block in forward
+  (``set_modules_to_forward_prefetch``): FSDP2's own prefetch, with no code of anyone else's per demand;
 - ``replay, no bookkeeping``: record_and_replay whose replayed demands only classify, leave the
   window, move the cursor and refill (``Replay.provide``), a throwaway patch that drops the scope's
   log, counters and checks (``explain()``, stats, divergence): the most a leaner demand path saves;
@@ -37,6 +39,7 @@ import bench_cache  # noqa: E402
 _VARIANTS = {
     "plain": "plain",
     "plain + user prefetch": "plain",
+    "plain + FSDP2 forward prefetch": "plain",
     "replay, no bookkeeping": "record_and_replay",
     "replay, synchronous gathers": "record_and_replay",
     "record_and_replay": "record_and_replay",
@@ -46,6 +49,16 @@ _VARIANTS = {
 
 def _user_prefetch() -> None:
     """Each block's forward pre-hook starts the next block's gather (FSDP2's public API)."""
+    _prefetch_in_forward(lambda block, following: block.register_forward_pre_hook(_prefetches(following)))
+
+
+def _fsdp2_prefetch() -> None:
+    """FSDP2 prefetches the next block in forward itself."""
+    _prefetch_in_forward(lambda block, following: block.set_modules_to_forward_prefetch([following]))
+
+
+def _prefetch_in_forward(arrange: Any) -> None:
+    """The workload's model, once sharded, has ``arrange(block, next_block)`` done for each block."""
     import bench_calls
 
     make_workload = bench_calls.workload
@@ -62,7 +75,7 @@ def _user_prefetch() -> None:
                 root = shard(mesh, **options)
                 blocks = list(model.blocks)
                 for block, following in zip(blocks, blocks[1:]):
-                    block.register_forward_pre_hook(_prefetches(following))
+                    arrange(block, following)
                 return root
 
             model.shard = shard_and_prefetch
@@ -117,6 +130,8 @@ def _synchronous_gathers() -> None:
 def _child(variant: str, units: int, steps: int, library: str) -> None:
     if variant == "plain + user prefetch":
         _user_prefetch()
+    elif variant == "plain + FSDP2 forward prefetch":
+        _fsdp2_prefetch()
     elif variant == "replay, no bookkeeping":
         _no_bookkeeping()
     elif variant == "replay, synchronous gathers":
