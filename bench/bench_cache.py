@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import ctypes
+import functools
 import gc
 import json
 import os
@@ -36,6 +37,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -113,9 +115,12 @@ def parse_counts(valgrind_stderr: str) -> dict[str, int]:
 
 def run_contender(name: str, *, units: int, steps: int, seed: int, l2_kib: int, library: str) -> Counted:
     """``name``'s steps under callgrind in a fresh process, repeatable for a given ``seed``."""
+    return count_under_callgrind(name, _child_command(name, units, steps, library), seed=seed, l2_kib=l2_kib)
+
+
+def _child_command(name: str, units: int, steps: int, library: str) -> list[str]:
     mode, measure_waits = _CONTENDERS[name]
-    child = [__file__, "--child", mode, str(int(measure_waits)), str(units), str(steps), library]
-    return count_under_callgrind(name, child, seed=seed, l2_kib=l2_kib)
+    return [__file__, "--child", mode, str(int(measure_waits)), str(units), str(steps), library]
 
 
 def count_under_callgrind(name: str, child: list[str], *, seed: int, l2_kib: int) -> Counted:
@@ -135,15 +140,22 @@ def count_under_callgrind(name: str, child: list[str], *, seed: int, l2_kib: int
 
 
 def measure(units: int, steps: int, seeds: int, l2_kib: int, jobs: int) -> dict[str, list[Counted]]:
-    """Every contender once per seed, ``jobs`` at a time (counts do not depend on what runs beside)."""
+    """Every contender once per seed, ``jobs`` at a time."""
+    children = {name: functools.partial(_child_command, name, units, steps) for name in _CONTENDERS}
+    return count_each(children, seeds=seeds, l2_kib=l2_kib, jobs=jobs)
+
+
+def count_each(children: dict[str, Callable[[str], list[str]]], *, seeds: int, l2_kib: int, jobs: int) -> dict[str, list[Counted]]:
+    """Each child once per seed, ``jobs`` at a time (counts do not depend on what runs beside);
+    ``children[name](library)`` is its command line, given the switch library it counts through."""
     with tempfile.TemporaryDirectory() as directory, concurrent.futures.ThreadPoolExecutor(jobs) as pool:
         library = build_switch(directory)
         runs = {
-            (name, seed): pool.submit(run_contender, name, units=units, steps=steps, seed=seed, l2_kib=l2_kib, library=library)
+            (name, seed): pool.submit(count_under_callgrind, name, child(library), seed=seed, l2_kib=l2_kib)
             for seed in range(seeds)
-            for name in _CONTENDERS
+            for name, child in children.items()
         }
-        return {name: [runs[name, seed].result() for seed in range(seeds)] for name in _CONTENDERS}
+        return {name: [runs[name, seed].result() for seed in range(seeds)] for name in children}
 
 
 def table(results: dict[str, list[Counted]], steps: int) -> str:

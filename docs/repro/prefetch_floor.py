@@ -23,29 +23,18 @@ Six contenders, each run once per seed under callgrind as ``bench/bench_cache.py
 
 from __future__ import annotations
 
-import concurrent.futures
+import argparse
 import dataclasses
+import functools
 import os
 import statistics
 import sys
-import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import bench_cache  # noqa: E402
-
-_VARIANTS = {
-    "plain": "plain",
-    "plain + user prefetch": "plain",
-    "plain + FSDP2 forward prefetch": "plain",
-    "replay, no bookkeeping": "record_and_replay",
-    "replay, synchronous gathers": "record_and_replay",
-    "record_and_replay": "record_and_replay",
-}
-"""Name in the table -> the mode its child runs."""
-
 
 def _user_prefetch() -> None:
     """Each block's forward pre-hook starts the next block's gather (FSDP2's public API)."""
@@ -127,34 +116,31 @@ def _synchronous_gathers() -> None:
     FSDPParamGroup.unshard = lambda group, async_op=False: unshard(group, async_op=False)
 
 
+_VARIANTS: dict[str, tuple[str, Callable[[], None] | None]] = {
+    "plain": ("plain", None),
+    "plain + user prefetch": ("plain", _user_prefetch),
+    "plain + FSDP2 forward prefetch": ("plain", _fsdp2_prefetch),
+    "replay, no bookkeeping": ("record_and_replay", _no_bookkeeping),
+    "replay, synchronous gathers": ("record_and_replay", _synchronous_gathers),
+    "record_and_replay": ("record_and_replay", None),
+}
+"""Name in the table -> the mode its child runs, and the patch applied first (None: as it is)."""
+
+
 def _child(variant: str, units: int, steps: int, library: str) -> None:
-    if variant == "plain + user prefetch":
-        _user_prefetch()
-    elif variant == "plain + FSDP2 forward prefetch":
-        _fsdp2_prefetch()
-    elif variant == "replay, no bookkeeping":
-        _no_bookkeeping()
-    elif variant == "replay, synchronous gathers":
-        _synchronous_gathers()
-    bench_cache._child(_VARIANTS[variant], False, units, steps, library)
+    mode, patch = _VARIANTS[variant]
+    if patch is not None:
+        patch()
+    bench_cache._child(mode, False, units, steps, library)
+
+
+def _child_command(variant: str, units: int, steps: int, library: str) -> list[str]:
+    return [__file__, "--child", variant, str(units), str(steps), library]
 
 
 def main(units: int, steps: int, seeds: int) -> None:
-    jobs = os.cpu_count() or 1
-    with tempfile.TemporaryDirectory() as directory, concurrent.futures.ThreadPoolExecutor(jobs) as pool:
-        library = bench_cache.build_switch(directory)
-        runs = {
-            (name, seed): pool.submit(
-                bench_cache.count_under_callgrind,
-                name,
-                [__file__, "--child", name, str(units), str(steps), library],
-                seed=seed,
-                l2_kib=1024,
-            )
-            for seed in range(seeds)
-            for name in _VARIANTS
-        }
-        results = {name: [runs[name, seed].result() for seed in range(seeds)] for name in _VARIANTS}
+    children = {name: functools.partial(_child_command, name, units, steps) for name in _VARIANTS}
+    results = bench_cache.count_each(children, seeds=seeds, l2_kib=1024, jobs=os.cpu_count() or 1)
     print(bench_cache.table(results, steps))
     replay, lean = (statistics.mean(r.counts["L2 misses"] for r in results[n]) for n in ("record_and_replay", "replay, no bookkeeping"))
     plain = statistics.mean(r.counts["L2 misses"] for r in results["plain"])
@@ -166,4 +152,11 @@ if __name__ == "__main__":
         name, units, steps, library = sys.argv[2:]
         _child(name, int(units), int(steps), library)
     else:
-        main(*(int(a) for a in (sys.argv[1:] or ["16", "4", "3"])))
+        parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+        for flag, default in (("units", 16), ("steps", 4), ("seeds", 3)):
+            parser.add_argument(flag, type=int, nargs="?", default=default)
+        args = parser.parse_args()
+        for flag in ("units", "steps", "seeds"):
+            if getattr(args, flag) < 1:
+                parser.error(f"{flag} must be at least 1, got {getattr(args, flag)}")
+        main(args.units, args.steps, args.seeds)
