@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import multiprocessing.forkserver
 import os
 import queue
 import socket
@@ -15,6 +16,42 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+START_METHOD_ENV = "FSDP_REPLAY_TEST_START_METHOD"
+START_METHODS = ("spawn", "forkserver")
+# What every rank imports before its work; the forkserver imports it once for all of them.
+_FORKSERVER_PRELOAD = ["torch", "torch.distributed.fsdp", "torch.distributed.device_mesh", "fsdp_replay"]
+# Set by pytest before each test; nothing a rank imports reads it.
+_ENV_NOT_COMPARED = frozenset({"PYTEST_CURRENT_TEST"})
+_forkserver_env: dict[str, str] | None = None  # the environment the forkserver (and its imports) started in
+
+
+def _rank_context(backend: str) -> Any:
+    """The multiprocessing context that starts the ranks, chosen by ``FSDP_REPLAY_TEST_START_METHOD``.
+
+    ``spawn`` (the default) starts each rank in a fresh interpreter, as torchrun does: its own hash
+    seed and address layout, and ~3 s of imports a spawn. ``forkserver`` forks each rank from one
+    server that imported torch and fsdp_replay once (~0.7 s a spawn, CI's torch-matrix legs), so
+    ranks share the server's hash seed and layout. The package reads ``FSDP_REPLAY_PUBLIC_API`` at
+    import, so a rank is forked only while the environment is the one the server imported under;
+    otherwise (a test that set a variable) it is spawned. NCCL ranks are always spawned.
+    """
+    method = os.environ.get(START_METHOD_ENV, "spawn")
+    if method not in START_METHODS:
+        raise ValueError(f"{START_METHOD_ENV}={method!r}: expected one of {', '.join(START_METHODS)}")
+    if method == "spawn" or backend == "nccl":
+        return mp.get_context("spawn")
+    global _forkserver_env
+    if _forkserver_env is None:
+        multiprocessing.forkserver.set_forkserver_preload(_FORKSERVER_PRELOAD)
+        multiprocessing.forkserver.ensure_running()
+        _forkserver_env = _compared_env()
+    return mp.get_context("forkserver" if _compared_env() == _forkserver_env else "spawn")
+
+
+def _compared_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in _ENV_NOT_COMPARED}
 
 
 def _free_port() -> int:
@@ -68,9 +105,11 @@ def spawn(
 
     A rank that raises fails the call with its traceback; ranks still running after
     ``timeout_s`` are killed and reported as hung, so a deadlock fails fast instead of stalling CI.
+    Ranks are spawned, or forked from a preloaded server with ``FSDP_REPLAY_TEST_START_METHOD=forkserver``
+    (:func:`_rank_context`).
     ``diagnose()``, if given, is appended to a hang or lost-rank error (e.g. what each rank ran).
     """
-    ctx = mp.get_context("spawn")
+    ctx = _rank_context(backend)
     results = ctx.Queue()
     port = _free_port()
     procs = [
