@@ -37,13 +37,20 @@ ZERO_BUBBLE_SCHEDULES = ("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble
 
 
 def available_schedules() -> list[str]:
-    """The schedules this torch release has, of those fsdp_replay supports and plain FSDP2 runs on gloo.
+    """The schedules this torch release has, of those fsdp_replay supports and plain FSDP2 runs on gloo."""
+    names = SINGLE_STAGE_SCHEDULES + LOOPED_SCHEDULES + V_SCHEDULES
+    return [name for name in names if hasattr(pipeline_schedules, name) and held_back(name) is None]
+
+
+def held_back(name: str) -> str | None:
+    """Why :func:`available_schedules` leaves out a schedule on this torch release, or None.
 
     Before torch 2.13 the V-shaped schedules fail on gloo in plain FSDP2 too: the shape-inference
     send/recv of ScheduleZBVZeroBubble raised "Pair is not connected" on torch 2.11 (2 x 2 ranks).
     """
-    names = SINGLE_STAGE_SCHEDULES + LOOPED_SCHEDULES + (V_SCHEDULES if TORCH_RELEASE >= (2, 13) else ())
-    return [name for name in names if hasattr(pipeline_schedules, name)]
+    if name in V_SCHEDULES and TORCH_RELEASE < (2, 13):
+        return "needs torch 2.13 or newer (before it, plain FSDP2 fails it on gloo too)"
+    return None
 
 
 def stage_indices(schedule: str, pp_rank: int, pp_size: int, chunks: int) -> list[int]:

@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from fsdp_replay import PrefetchConfig
 from fsdp_replay.config import require_at_least
 from fsdp_replay.hydra import register_prefetch_config
-from fsdp_replay.testing.pipelines import SINGLE_STAGE_SCHEDULES, V_SCHEDULES, available_schedules
+from fsdp_replay.testing.pipelines import SINGLE_STAGE_SCHEDULES, V_SCHEDULES, available_schedules, held_back
 from train_lib.checkpoint import find_checkpoint
 
 __all__ = [
@@ -182,10 +182,9 @@ class PipelineConfig:
         require_at_least(1, self, "stages", "virtual_stages")
         valid = [name.removeprefix(SCHEDULE_PREFIX) for name in available_schedules()]
         if self.schedule not in valid:
-            raise ValueError(
-                f"PipelineConfig.schedule: unknown pipeline schedule {self.schedule!r}; "
-                f"valid schedules are {', '.join(valid)}"
-            )
+            reason = held_back(self.schedule_class)
+            why = f"{self.schedule!r} {reason}" if reason else f"unknown pipeline schedule {self.schedule!r}"
+            raise ValueError(f"PipelineConfig.schedule: {why}; valid schedules are {', '.join(valid)}")
         fixed = {**dict.fromkeys(SINGLE_STAGE_SCHEDULES, 1), **dict.fromkeys(V_SCHEDULES, 2)}
         if (needed := fixed.get(self.schedule_class)) is not None and self.virtual_stages != needed:
             raise ValueError(

@@ -11,6 +11,8 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig
 
 from fsdp_replay import PrefetchConfig, PrefetchMode
+from fsdp_replay._compat import TORCH_RELEASE
+from fsdp_replay.testing import pipelines
 from train_lib.config import MicrobatchSchedule, TrainJobConfig, quiet_nonzero_ranks, register_configs, to_job_config
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
@@ -123,7 +125,8 @@ def test_unknown_enum_name_fails_composition_naming_field_and_values(override: s
         ("pipeline.stages=0", "PipelineConfig.stages must be an integer >= 1"),
         ("pipeline.schedule=Zigzag", "unknown pipeline schedule 'Zigzag'; valid schedules are 1F1B, GPipe, "),
         ("pipeline.virtual_stages=2", "PipelineConfig.virtual_stages must be 1 with schedule 1F1B"),
-        ("pipeline.schedule=DualPipeV", "PipelineConfig.virtual_stages must be 2 with schedule DualPipeV"),
+        ("pipeline.schedule=DualPipeV", "PipelineConfig.virtual_stages must be 2 with schedule DualPipeV"
+         if TORCH_RELEASE >= (2, 13) else "PipelineConfig.schedule: 'DualPipeV' needs torch 2.13 or newer"),
         ("pipeline.stages=5", "stages * virtual_stages (5) exceeds ModelConfig.n_layers (4)"),
         ("pipeline.stages=2 model.depth_repeats=2", "ModelConfig.depth_repeats must be 1 with pipeline.stages > 1"),
         ("pipeline.stages=2 train.schedule=interleaved", "TrainConfig.schedule does not apply with pipeline.stages"),
@@ -135,6 +138,17 @@ def test_out_of_range_value_fails_conversion_naming_the_field(override: str, mes
     with pytest.raises(ValueError) as err:
         to_job_config(cfg)
     assert message in str(err.value)
+
+
+def test_a_v_schedule_on_a_torch_before_2_13_fails_saying_which_release_it_needs(monkeypatch) -> None:
+    monkeypatch.setattr(pipelines, "TORCH_RELEASE", (2, 11))
+    cfg = compose_train("pipeline.schedule=ZBVZeroBubble", "pipeline.virtual_stages=2")
+    with pytest.raises(ValueError) as err:
+        to_job_config(cfg)
+    assert str(err.value) == (
+        "PipelineConfig.schedule: 'ZBVZeroBubble' needs torch 2.13 or newer (before it, plain FSDP2 fails it "
+        "on gloo too); valid schedules are 1F1B, GPipe, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble"
+    )
 
 
 def saved_run(run_dir: Path, *steps: int) -> Path:
