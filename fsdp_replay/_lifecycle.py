@@ -116,8 +116,8 @@ class ScopeLifecycle:
                     self.stats.count(scope.key, Count.recordings)
                     logger.debug("fsdp_replay: recorded %d demands for iteration %r", len(entries), scope.key)
             elif isinstance(strategy, Replay):
-                unfinished = strategy.unfinished(may_stop_short=not self._orders.stopped_short(scope.key))
-                self._orders.replay_ended(scope.key, short=strategy.stopped_short)
+                unfinished = strategy.unfinished(may_run_less=not self._orders.ran_less(scope.key))
+                self._orders.replay_ended(scope.key, ran_less=strategy.stopped_short or strategy.ran_less)
                 if unfinished is not None:
                     self.diverge(scope, f"iteration {scope.key!r} {unfinished}")
                     return

@@ -315,8 +315,8 @@ class RecordedOrders:
         """Scopes begun per key (see :meth:`began`)."""
         self._warned_at: dict[str, int] = {}
         """The key's scope count when a drop of its order was last logged as a warning."""
-        self._stopped_short: set[str] = set()
-        """Keys whose latest replayed scope stopped short of the order (see :meth:`replay_ended`)."""
+        self._ran_less: set[str] = set()
+        """Keys whose latest replayed scope ran less than the order (see :meth:`replay_ended`)."""
 
     def began(self, key: str) -> None:
         """A scope of ``key`` begins (what the divergence warning's rate counts)."""
@@ -350,8 +350,9 @@ class RecordedOrders:
             order = self._merging.pop(key).order()
         self._orders[key] = order
         self._checked.discard(key)
-        self._unreplayed.add(key)
-        self._stopped_short.discard(key)
+        if self._record_steps == 1:
+            self._unreplayed.add(key)  # a merged order has no one-off prefix to skip (above)
+        self._ran_less.discard(key)
         return True
 
     def first_replay(self, key: str) -> bool:
@@ -364,17 +365,17 @@ class RecordedOrders:
         self._unreplayed.discard(key)
         return first
 
-    def stopped_short(self, key: str) -> bool:
-        """Whether the latest replayed scope of ``key`` stopped short of its order (see [Note: a
-        scope that stops short])."""
-        return key in self._stopped_short
+    def ran_less(self, key: str) -> bool:
+        """Whether the latest replayed scope of ``key`` ran less than its order: it stopped short of
+        it, or skipped too much of it (see [Note: a scope that stops short])."""
+        return key in self._ran_less
 
-    def replay_ended(self, key: str, *, short: bool) -> None:
-        """A replayed scope of ``key`` ended, ``short`` of its order or not."""
-        if short:
-            self._stopped_short.add(key)
+    def replay_ended(self, key: str, *, ran_less: bool) -> None:
+        """A replayed scope of ``key`` ended, having run less than its order or not."""
+        if ran_less:
+            self._ran_less.add(key)
         else:
-            self._stopped_short.discard(key)
+            self._ran_less.discard(key)
 
     def trim(self, key: str, order: ExecutionOrder) -> None:
         """Replace ``key``'s order by its suffix that a first replay followed; the ranks' check of it
@@ -388,7 +389,7 @@ class RecordedOrders:
         saying why in the log: a warning at most once per :data:`WARN_EVERY` scopes of the key."""
         self._unreplayed.discard(key)
         self._merging.pop(key, None)
-        self._stopped_short.discard(key)
+        self._ran_less.discard(key)
         if self._orders.pop(key, None) is not None:
             self._checked.discard(key)
             scopes, warned = self._scopes.get(key, 0), self._warned_at.get(key)
@@ -404,7 +405,7 @@ class RecordedOrders:
         self._orders.pop(key, None)
         self._merging.pop(key, None)
         self._unreplayed.discard(key)
-        self._stopped_short.discard(key)
+        self._ran_less.discard(key)
 
     def needs_check(self, key: str) -> bool:
         return key not in self._checked
@@ -426,7 +427,7 @@ class RecordedOrders:
         self._checked.clear()  # loaded orders are compared across ranks before first use
         self._unreplayed.clear()
         self._merging.clear()
-        self._stopped_short.clear()
+        self._ran_less.clear()
         return {key: why for key, why in loaded.items() if isinstance(why, str)}
 
 
@@ -536,15 +537,25 @@ class Cursor:
         return ahead if ahead.segment <= self.segment else _NOTHING_AHEAD
 
 
+# [Note: sometimes-run entries ahead]
+# An entry that ran in only some recorded scopes takes no depth slot, so that where the data skips
+# it the next unit's gather is in flight too. Unbounded, a run of such entries was all gathered
+# at once: a MoE layer of 16 experts each run in ~70% of the steps (``record_steps=4``, depth 1,
+# no byte cap) held 10-11 units unsharded or gathering at a time where plain FSDP2 held 1 and
+# static 2. So a lookahead picks at most ``depth`` of them (the nearest), besides the ``depth``
+# that ran in every scope: at most twice the depth's gathers are in flight.
+
+
 def _lookahead_from(entries: tuple[Entry, ...], position: int, depth: int, reuse_distance: int) -> Lookahead:
     if depth == 0:
         return _NOTHING_AHEAD
     segment = entries[position].segment
     picked: list[Entry] = []
     units: set[Unit] = set()
-    certain = 0
-    """Entries picked that ran in every recorded scope: those that did not take no depth slot (see
-    ``Replay.provide``), so a skip of one costs its released gather, not also a miss of the next."""
+    certain = sometimes = 0
+    """Entries picked that ran in every recorded scope, and in only some: the second take no depth
+    slot (see ``Replay.provide``), so a skip of one costs its released gather, not also a miss of
+    the next; at most ``depth`` of them are picked ([Note: sometimes-run entries ahead])."""
     for i in range(position, len(entries)):
         entry = entries[i]
         # depth + 1 entries: the nearest may be a unit in use, kept rather than gathered.
@@ -554,6 +565,10 @@ def _lookahead_from(entries: tuple[Entry, ...], position: int, depth: int, reuse
             continue
         if entry.unit in units:
             break
+        if entry.share < 1.0:
+            if sometimes == depth:
+                continue  # [Note: sometimes-run entries ahead]
+            sometimes += 1
         picked.append(entry)
         units.add(entry.unit)
         certain += entry.share == 1.0

@@ -108,6 +108,20 @@ _NOT_IN_ORDER = Why(MissReason.not_in_order)
 # Every decision rests on the order and the scope's demands, which all ranks share, so ranks
 # skip, release and prefetch alike.
 
+# [Note: skips of entries that ran in some scopes]
+# A merged order (``record_steps`` above 1) holds entries that ran in only some of its recorded
+# scopes, and where two such entries never ran in one scope together, the merge could not see
+# which comes first: LayerDrop recordings of blocks 0, 1, 3 and of blocks 0, 2 merge into 0, 1, 3,
+# 2, and a step running all four then demanded block 3 after skipping it for block 2. That was
+# taken for a changed order: the key diverged and recorded 4 scopes again, and again at the next
+# such step (a top-2-of-4 MoE in 2 layers re-recorded every fifth scope, 62 hits in 720 demands
+# over 40 steps). So a late demand of a skipped entry diverges only where the two entries ran in
+# one recorded scope, in the recorded order: where either ran in every recorded scope. Otherwise
+# it is served where it is used, a miss ("not in the recorded order"). Nor does the skip of an
+# entry that ran in only some scopes count against the scope at its end (MIN_MATCHED): the data
+# was expected to skip it sometimes (a top-1-of-8 MoE with ``record_steps=4`` skipped as many
+# entries as it ran and diverged at 6 of 40 scopes, recording most of the others).
+
 # [Note: more microbatches than recorded]
 # A key's steps may run different numbers of microbatches: a batch-size ramp-up adds some every few
 # thousand steps, dynamic batching packs a varying count, an epoch ends on a remainder. Fewer than
@@ -137,22 +151,25 @@ _NOT_IN_ORDER = Why(MissReason.not_in_order)
 
 MIN_MATCHED = 0.5
 """A replayed scope whose matched demands are not more than this share of its demands plus the
-entries it skipped ran another order (a forward-only scope of a forward-and-backward order, for
-one): it diverges (see [Note: skipped entries and a changed order]), unless it stopped short and
-the key's replayed scope before it did not, or it stopped short between two segments (fewer
-microbatches: [Note: more microbatches than recorded]).
+entries it skipped that ran in every recorded scope ran another order (a forward-only scope of a
+forward-and-backward order, for one): it diverges (see [Note: skipped entries and a changed
+order]), unless every demand was in the order and the key's replayed scope before it did not run
+less, or it stopped short between two segments (fewer microbatches: [Note: more microbatches than
+recorded]).
 
 [Note: a scope that stops short]
 A training loop may give up a step after its forward (a loss that is not finite: no backward, no
 optimizer step). That scope ran a prefix of its key's order, every demand in place, and ended
-early. Dropping the order for it would cost the next scope a recording (no prefetch at all) and a
-warning, for a step that is the exception. So a replayed scope that stopped short is tolerated,
-like the early end of a scope that ran most of its order: the entries it never reached are
-skipped, what was provided for them is released. Only a second scope of the key in a row that
-stops short, matching too little of the order for MIN_MATCHED, diverges: the loop changed (the key
-now runs forward only, say), and the next scope records the order it runs now. One that stopped
-between two segments ran fewer microbatches, which is always tolerated ([Note: more microbatches
-than recorded]).
+early. An early-exit model's step that stops after block 1 of 6 likewise runs every demand in
+place, skipping the rest of the forward and their backwards. Dropping the order for such a step
+would cost the next scope a recording (no prefetch at all, ``record_steps`` scopes of it) and a
+warning, for a step that is the exception. So a replayed scope that ran less than its order, every
+demand in it, is tolerated, like the early end of a scope that ran most of its order: the entries
+it never reached are skipped, what was provided for them is released. Only a second scope of the
+key in a row that runs less, matching too little of the order for MIN_MATCHED, diverges: the loop
+changed (the key now runs forward only, say), and the next scope records the order it runs now.
+One that stopped between two segments ran fewer microbatches, which is always tolerated ([Note:
+more microbatches than recorded]).
 """
 _BYTE_CAP = Why(MissReason.byte_cap, "max_prefetch_bytes would be exceeded")
 _DEPTH_REACHED = Why(MissReason.depth, "the depth's gathers were already in flight")
@@ -247,6 +264,12 @@ class Replay:
         self._matched = 0
         self._passed = 0
         """Entries skipped so far."""
+        self._passed_always_run = 0
+        """Of those, entries that ran in every recorded scope: only their skips count against the
+        scope (see MIN_MATCHED)."""
+        self.ran_less = False
+        """The scope ended having run less than its order (too little matched, every demand in it):
+        tolerated once, a second such scope of the key in a row diverges."""
         self._skipped: dict[tuple[Unit, Phase], tuple[int, str]] = {}
         """Entries skipped so far in the segment: the demand that skipped each, and where the order was left there."""
         self._ran: set[Unit] = set()
@@ -291,8 +314,10 @@ class Replay:
             self._matched += 1
             if passed:
                 left = f"diverged at demand {at - len(passed)}: expected {passed[0].describe()}, got {got}"
+                demanded_always_ran = cursor.order.entries[at].share == 1.0
                 for entry in passed:
-                    self._skipped.setdefault((entry.unit, entry.phase), (index, left))
+                    if demanded_always_ran or entry.share == 1.0:  # [Note: skips of entries that ran in some scopes]
+                        self._skipped.setdefault((entry.unit, entry.phase), (index, left))
                 self._skip(passed, f"skipped by demand {index} {got}")
             skipped_ahead = Why(MissReason.skipped_ahead, f"{len(passed)} recorded entries before it did not run")
             self.tolerated = tolerated or skipped_ahead  # passed is empty only at a repeated segment's first entry
@@ -306,6 +331,7 @@ class Replay:
     def _skip(self, passed: Sequence[Entry], why: str) -> None:
         """Log the entries passed by, and release what was provided for them that the lookahead does not need now."""
         self._passed += len(passed)
+        self._passed_always_run += sum(entry.share == 1.0 for entry in passed)
         window = self._window
         timeline = window.timeline
         needed = {entry.unit for entry in self.cursor.lookahead().entries}
@@ -380,26 +406,31 @@ class Replay:
         another order."""
         return self._matched == self._demands and not self.cursor.done
 
-    def unfinished(self, *, may_stop_short: bool) -> str | None:
+    def unfinished(self, *, may_run_less: bool) -> str | None:
         """Why a scope ending now left its order: too few of its demands matched it (the entries
-        it never reached are skipped); None if it kept to it, or it :attr:`stopped_short` and
-        ``may_stop_short`` or between two segments (see [Note: a scope that stops short])."""
+        it never reached are skipped); None if it kept to it, or it :attr:`stopped_short` between
+        two segments, or every demand was in the order and ``may_run_less`` (the key's scope
+        before it did not run less; see [Note: a scope that stops short])."""
         cursor = self.cursor  # the prefix rule may have followed another suffix
         if self._passed == 0 and self._matched == self._demands:
             # Between segments: fewer microbatches than recorded ([Note: more microbatches than recorded]).
             if cursor.done or (not cursor.between_segments and self._realign(at_end=True)):
                 return None
-        short = self.stopped_short
+        in_order = self._matched == self._demands  # every demand in the order: skips only
         rest = cursor.order.entries[cursor.position :]
-        considered = self._demands + self._passed + len(rest)
-        if self._matched > MIN_MATCHED * considered or (short and (may_stop_short or cursor.between_segments)):
+        skipped = self._passed_always_run + sum(entry.share == 1.0 for entry in rest)
+        if self._matched > MIN_MATCHED * (self._demands + skipped) or (self.stopped_short and cursor.between_segments):
+            self._skip(rest, "the scope ended before it")
+            return None
+        if in_order and may_run_less:
+            self.ran_less = True
             self._skip(rest, "the scope ended before it")
             return None
         return (
             f"ended after {cursor.position} of {len(cursor.order)} recorded demands, {self._matched} of its "
-            f"{self._demands} demands in the order and {self._passed + len(rest)} entries skipped"
+            f"{self._demands} demands in the order and {skipped} entries skipped"
             + (f"; next expected {rest[0].describe()}" if rest else "")
-            + (", and so did its key's scope before it" if short else "")
+            + (", and so did its key's scope before it" if in_order else "")
         )
 
     def provide(self, demanded: Unit | None = None) -> None:
@@ -422,7 +453,7 @@ class Replay:
         for entry in ahead.entries:
             unit = entry.unit
             # A sometimes-run entry takes no depth slot: where the data skips it, the next unit's
-            # gather is in flight too (bounded by the byte cap and the lookahead, _lookahead_from).
+            # gather is in flight too (at most ``depth`` of them: [Note: sometimes-run entries ahead]).
             sometimes = entry.share < 1.0
             if sometimes and not entry.phase.in_forward and unit not in ran:
                 continue  # a sometimes-run unit that did not run forward has no backward this scope
