@@ -123,8 +123,8 @@ class ScopeLifecycle:
                     return
                 if strategy.stopped_short:
                     scope.outcome = "stopped short of its order"
-                if strategy.skipped_prefix:
-                    self._orders.trim(scope.key, strategy.followed_order(scope.served))
+                if strategy.skipped_prefix and (followed := strategy.followed_order(scope.served)) is not None:
+                    self._orders.trim(scope.key, followed)
         finally:  # also when a divergence raises: every rank takes part in the depth's agreement
             self._finish(scope, None)
 

@@ -365,19 +365,25 @@ class Replay:
         self.cursor.end_backward()
         self._skipped.clear()  # the next segment is another microbatch: what this one skipped may run there
 
-    def followed_order(self, served: Sequence[Demand]) -> ExecutionOrder:
-        """The suffix of the recording this first replay followed (the prefix rule), to keep as the key's order.
+    def followed_order(self, served: Sequence[Demand]) -> ExecutionOrder | None:
+        """The suffix of the recording this first replay followed (the prefix rule), to keep as the
+        key's order; None where the scope did not run it exactly (the order stays as recorded).
 
-        ``served``: how each of the scope's demands found its unit. Where the scope ran the suffix
-        exactly, an entry whose demand found its unit sharded (a hit or a miss) needs a gather from
-        now on, even if the recording found the unit unsharded there: the one-off prefix may have
-        left it so (torch 2.11's pipeline stages infer shapes with a forward and reshard nothing
-        after it), which no later scope does. A unit that turns out unsharded after all takes no
-        gather: a refill passes over units already provided.
+        A suffix run with skips or demands off it is no evidence of a one-off prefix: with gradient
+        accumulation and LayerDrop, a first microbatch running a block that the recorded one had
+        skipped was taken for the order after a one-off prefix, and the key kept the last of its
+        two microbatches for good, each later step then missing one "more microbatches than
+        recorded" (and, where that microbatch had skips of its own, those too: 41 misses in 7 steps
+        against 34). ``served``: how each of the scope's demands found its unit. An entry whose
+        demand found its unit sharded (a hit or a miss) needs a gather from now on, even if the
+        recording found the unit unsharded there: the one-off prefix may have left it so (torch
+        2.11's pipeline stages infer shapes with a forward and reshard nothing after it), which no
+        later scope does. A unit that turns out unsharded after all takes no gather: a refill
+        passes over units already provided.
         """
         order = self.cursor.order
         if self._passed or self._matched != self._demands or len(served) != len(order):
-            return order
+            return None
         return order.needing_gathers([demand is not Demand.resident for demand in served])
 
     def why_missed(self, unit: Unit, phase: Phase) -> Why:
