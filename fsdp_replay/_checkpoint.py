@@ -10,7 +10,7 @@ a resumed run must not stop for a stale prefetch order.
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch.distributed as dist
 
@@ -34,11 +34,20 @@ def load(state: dict[str, Any], orders: RecordedOrders, units: Sequence[Unit]) -
     Raises:
         ValueError: the version is not supported, or an entry is malformed (``orders`` unchanged).
     """
+    if not isinstance(state, Mapping):
+        raise ValueError(
+            f"load_state_dict() takes what PrefetchScheduler.state_dict() returned (a dict), got {type(state).__name__}"
+        )
     if state.get("version") not in (1, VERSION):
         raise ValueError(
             f"fsdp_replay state_dict version {state.get('version')!r} is not supported (expected 1 or {VERSION})"
         )
-    saved = state["orders"]
+    saved = state.get("orders")
+    if not isinstance(saved, Mapping) or not isinstance(state.get("signature", {}), Mapping):
+        raise ValueError(
+            "fsdp_replay state_dict: 'orders' must be a dict of key -> order and 'signature' (if given) a dict, "
+            f"got orders={type(saved).__name__}, signature={type(state.get('signature')).__name__}"
+        )
     if "signature" in state and (change := what_changed(state["signature"], signature(units))):
         logger.warning(
             "fsdp_replay: the checkpoint's recorded orders (%s) are for another setup (%s); they are "

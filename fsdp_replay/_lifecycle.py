@@ -71,6 +71,9 @@ class ScopeLifecycle:
     def begin(self, key: str, *, explicit: bool, rerecord: bool = False) -> Scope:
         scope = Scope(key=key, explicit=explicit, strategy=self._modes.strategy_for(key, rerecord=rerecord))
         strategy = scope.strategy
+        if strategy.mode is not ScopeMode.demand:
+            # This scope may gather before FSDP2's root pre-forward (first step, or a resumed run).
+            self._roots.lazy_init()  # before the scope opens: it raises where attached to a child unit
         # Decided from the order, which every rank shares (it was compared before its first replay).
         if self._check_ranks and isinstance(strategy, Replay) and strategy.cursor.order.conditional:
             scope.compare_demands = lambda: self._compare_demands(scope)
@@ -78,9 +81,6 @@ class ScopeLifecycle:
         self._window.timeline = scope.timeline
         if self._waits is not None:
             self._waits.take()  # what blocked outside any scope is nobody's demand
-        if scope.strategy.mode is not ScopeMode.demand:
-            # This scope may gather before FSDP2's root pre-forward (first step, or a resumed run).
-            self._roots.lazy_init()
         if explicit:
             scope.strategy.provide()  # the scope's first gathers go out before its first forward
             self._window.note_versions()  # the user's code may change the parameters before it

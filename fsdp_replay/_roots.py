@@ -16,6 +16,12 @@ from fsdp_replay import _compat
 from fsdp_replay._units import Unit, discover_units
 
 
+_NOT_A_ROOT = (
+    "fsdp_replay was attached to a module that FSDP2 treats as a child unit; attach to the outermost "
+    "fully_shard module (the one whose forward runs first)"
+)
+
+
 def chunk_prefix(position: int) -> str:
     """How a unit of the ``position``-th root is named when a scheduler serves several."""
     return f"chunk{position}/"
@@ -49,15 +55,17 @@ class Roots:
     def check_still_roots(self) -> None:
         """Raise if FSDP2's lazy init made one of them a child unit (attached to the wrong module)."""
         if any(_compat.is_root_initialized_as_child(state) for state in self.states()):
-            raise RuntimeError(
-                "fsdp_replay was attached to a module that FSDP2 treats as a child unit; attach to the "
-                "outermost fully_shard module (the one whose forward runs first)"
-            )
+            raise RuntimeError(_NOT_A_ROOT)
 
     def lazy_init(self) -> None:
-        """FSDP2's root lazy init, so a scope may gather before a root's first forward."""
-        for state in self.states():
+        """FSDP2's root lazy init, so a scope may gather before a root's first forward; never of a
+        module another unit encloses (``fully_shard(block, prefetch=...)`` given to a block, its
+        model sharded later), which that init would make a root for good."""
+        for module, state in zip(self.modules(), self.states()):
+            if (outer := _compat.enclosing_unit(module, state)) is not None:
+                raise RuntimeError(f"{_NOT_A_ROOT}: this {type(module).__name__} is inside a fully_shard {type(outer).__name__}")
             _compat.ensure_lazy_init(state)
+
 
     def reset_iter_state(self) -> None:
         """FSDP2's recovery after an exception, on every root."""

@@ -93,6 +93,11 @@ def _check_root(root: Any) -> None:
     for other in list(_ATTACHED):
         if other.attached and any(u.state_or_none() is state for u in other.units):
             raise RuntimeError("attach(): this module is a unit of a scheduler already attached to an outer root")
+    if (outer := _compat.enclosing_unit(root, state)) is not None:
+        raise ValueError(
+            f"attach(): {type(root).__name__} is not a root FSDP2 module (it is inside a fully_shard "
+            f"{type(outer).__name__}); attach to the outermost fully_shard module"
+        )
 
 
 def _validated(config: PrefetchConfig | Mapping[str, Any] | None) -> PrefetchConfig:

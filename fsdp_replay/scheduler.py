@@ -142,7 +142,8 @@ class PrefetchScheduler:
             rerecord: drop the key's order first, so this scope records it again.
 
         Raises:
-            ValueError: ``key`` is not a non-empty string, or starts with ``"auto:"``.
+            ValueError: ``key`` is not a non-empty string, or starts with ``"auto:"``; ``rerecord``
+                is not a bool.
             RuntimeError: the scheduler was detached, or this scope would nest in another one.
             RankMismatchError: with ``check_ranks``, ranks recorded different orders for ``key``
                 (raised on every rank, before the first replay of that order).
@@ -153,6 +154,8 @@ class PrefetchScheduler:
             raise RuntimeError("this PrefetchScheduler was detached; attach() a new one")
         if not isinstance(key, str) or not key or key.startswith("auto:"):
             raise ValueError(f"iteration(key=...) must be a non-empty string not starting with 'auto:', got {key!r}")
+        if not isinstance(rerecord, bool):
+            raise ValueError(f"iteration(rerecord=...) must be True or False, got {rerecord!r}")
         scopes = self._scopes
         if (open_scope := scopes.open) is not None:
             if open_scope.explicit:

@@ -50,6 +50,7 @@ from fsdp_replay._compat.state import (
     classify_demand,
     completes_forward,
     device,
+    enclosing_unit,
     fsdp_state,
     grad_tensors,
     graph_task_id,

@@ -17,7 +17,7 @@ from fsdp_replay._compat.guard import INTERNALS_OK, TORCH_RELEASE
 from fsdp_replay.stats import Demand
 
 if INTERNALS_OK:
-    from torch.distributed._composable_state import _get_module_state
+    from torch.distributed._composable_state import _get_module_state, _module_state_mapping
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
     from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
@@ -98,6 +98,23 @@ def param_versions(state: Any) -> int:
 def is_root_initialized_as_child(state: Any) -> bool:
     """True once FSDP2's lazy init has decided this state is *not* the root."""
     return INTERNALS_OK and state._is_root is False
+
+
+def enclosing_unit(module: nn.Module, state: Any) -> nn.Module | None:
+    """Another ``fully_shard`` module containing ``module``, before FSDP2's lazy init (None after it).
+
+    FSDP2 decides which module is the root only at its lazy init, from the forward that runs
+    first; run on a child first, it makes the child a root, and the real root's forward then
+    fails for good. So before it, the scheduler asks FSDP2's registry of composable modules
+    whether another unit encloses ``module``. None without the internals: there only the lazy
+    init's outcome tells (``Roots.check_still_roots``).
+    """
+    if not INTERNALS_OK or state._is_root is not None:
+        return None
+    for other in list(_module_state_mapping.keys()):
+        if other is not module and isinstance(other, FSDPModule) and any(m is module for m in other.modules()):
+            return other
+    return None
 
 
 def process_group(state: Any) -> Any:

@@ -59,6 +59,43 @@ def test_attach_to_a_child_is_caught_once_fsdp2_has_picked_the_root(mesh8):
         attach(model.blocks[1])
 
 
+def test_attach_to_a_child_before_fsdp2_picked_the_root_is_refused_and_leaves_the_model_working(mesh8):
+    """Before the first forward FSDP2 has not decided which module is the root; running its lazy
+    init on the child (as a scope start does) would make it one and break the real root for good."""
+    w, model = _sharded(mesh8)
+    with pytest.raises(ValueError, match="not a root FSDP2 module .*inside a fully_shard"):
+        attach(model.blocks[1])
+    # The drop-in wrapper given prefetch= on a block, the model sharded after it: caught at the scope's start.
+    w = workload("sequential")
+    model = w.make_model()
+    fsdp_replay.fully_shard(model.blocks[0], mesh=mesh8, prefetch=PrefetchConfig())
+    for block in model.blocks[1:]:
+        fsdp_replay.fully_shard(block, mesh=mesh8)
+    fsdp_replay.fully_shard(model, mesh=mesh8)
+    sched = scheduler_of(model.blocks[0])
+    with pytest.raises(RuntimeError, match="treats as a child unit.*inside a fully_shard"):
+        with sched.iteration("train"):
+            run_iteration(model, w, 0)
+    sched.detach()
+    run_iteration(model, w, 1)  # plain FSDP2 again, the real root's lazy init untouched
+
+
+def test_malformed_state_dicts_and_a_rerecord_that_is_not_a_bool_get_one_clear_error(mesh8):
+    w, model = _sharded(mesh8)
+    sched = attach(model)
+    with sched.iteration("train"):
+        run_iteration(model, w, 0)
+    saved = sched.state_dict()
+    for bad in (None, [], {**saved, "orders": []}, {**saved, "signature": None}, {k: v for k, v in saved.items() if k != "orders"}):
+        with pytest.raises(ValueError, match="state_dict"):
+            sched.load_state_dict(bad)
+    assert sched.recorded_order("train") is not None  # left as it was
+    with pytest.raises(ValueError, match=r"iteration\(rerecord=...\) must be True or False, got 'false'"):
+        with sched.iteration("train", rerecord="false"):
+            pass
+    assert sched.stats.recordings == 1
+
+
 def test_attach_accepts_a_mapping_and_validates_it(mesh8):
     w, model = _sharded(mesh8)
     with pytest.raises(ValueError, match="forward_prefetch must be an integer >= 0"):
