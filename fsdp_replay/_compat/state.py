@@ -66,9 +66,19 @@ def unsharded_bytes(state: Any) -> int:
     if not INTERNALS_OK:  # the parameters' own dtype: a mixed-precision policy is not public
         return sum(p.numel() * p.element_size() for p in public.managed_params(state))
     return sum(
-        fp._orig_size.numel() * (getattr(fp, "param_dtype", None) or fp.sharded_param.dtype).itemsize
-        for fp in fsdp_params(state)
+        fp._orig_size.numel() * _gathered_dtype(group, fp).itemsize for group in param_groups(state) for fp in group.fsdp_params
     )
+
+
+def _gathered_dtype(group: Any, fp: Any) -> torch.dtype:
+    """The dtype FSDP2 all-gathers a parameter in. Its lazy init sets ``param_dtype`` (None: no cast);
+    before it, the mixed-precision policy says what it will set (a scheduler attached at
+    ``fully_shard`` time counted bf16 gathers in fp32 bytes, letting half the units a byte cap allows)."""
+    if hasattr(fp, "param_dtype"):
+        return fp.param_dtype or fp.sharded_param.dtype
+    policy = getattr(fp, "mp_policy", None) or group.mp_policy  # per parameter from torch 2.15
+    dtype = fp.sharded_param.dtype
+    return policy.param_dtype if policy.param_dtype is not None and dtype.is_floating_point else dtype
 
 
 def sharded_params(state: Any) -> list[Any]:

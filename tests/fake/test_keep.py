@@ -230,3 +230,18 @@ def test_an_enclosing_unit_in_use_is_kept_when_its_next_call_is_the_refills_last
         log = observer.take()
     assert [kind for fqn, phase, kind in log if (fqn, phase) == ("blocks.0", "forward")] == ["hit", "resident"]
     assert all(kind in ("hit", "resident") for _, _, kind in log)
+
+
+@pytest.mark.parametrize("attach_after_first_forward", [False, True])
+def test_the_byte_cap_counts_units_in_the_dtype_mixed_precision_gathers_them(mesh8, attach_after_first_forward):
+    """FSDP2 sets a parameter's gather dtype at its lazy init: a scheduler attached before it (as
+    ``fully_shard(root, prefetch=...)`` always is) counted bf16 gathers in fp32 bytes."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    w = workload("sequential")
+    model = w.make_model().shard(mesh8, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    if attach_after_first_forward:
+        run_iteration(model, w, 0)
+    sched = attach(model, PrefetchConfig(max_prefetch_bytes=10**9))
+    block = next(u for u in sched.units if u.fqn == "blocks.0")
+    assert block.unsharded_bytes == 2 * sum(p.numel() for p in model.blocks[0].parameters())
