@@ -63,9 +63,10 @@ class Roots:
         model sharded later), which that init would make a root for good."""
         for module, state in zip(self.modules(), self.states()):
             if (outer := _compat.enclosing_unit(module, state)) is not None:
-                raise RuntimeError(f"{_NOT_A_ROOT}: this {type(module).__name__} is inside a fully_shard {type(outer).__name__}")
+                raise RuntimeError(
+                    f"{_NOT_A_ROOT}: this {type(module).__name__} is inside a fully_shard {type(outer).__name__}"
+                )
             _compat.ensure_lazy_init(state)
-
 
     def reset_iter_state(self) -> None:
         """FSDP2's recovery after an exception, on every root."""

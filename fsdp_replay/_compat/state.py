@@ -66,7 +66,9 @@ def unsharded_bytes(state: Any) -> int:
     if not INTERNALS_OK:  # the parameters' own dtype: a mixed-precision policy is not public
         return sum(p.numel() * p.element_size() for p in public.managed_params(state))
     return sum(
-        fp._orig_size.numel() * _gathered_dtype(group, fp).itemsize for group in param_groups(state) for fp in group.fsdp_params
+        fp._orig_size.numel() * _gathered_dtype(group, fp).itemsize
+        for group in param_groups(state)
+        for fp in group.fsdp_params
     )
 
 
