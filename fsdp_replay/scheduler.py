@@ -73,6 +73,16 @@ _MISS, _DEMAND_MODE, _KEPT, _BACKWARD = Demand.miss, ScopeMode.demand, Held.kept
 # entry unread] in ``_strategies.py``): replay 489.1.
 
 
+def _checked_key(key: object, method: str) -> str:
+    """A scope key as the methods that read by key take it: a mistyped one would find nothing, silently."""
+    if not isinstance(key, str):
+        raise ValueError(
+            f"{method}(key=...) must be a string: a key given to iteration(), or 'auto:grad', "
+            f"'auto:no_grad' or 'auto:backward'; got {key!r}"
+        )
+    return key
+
+
 class PrefetchScheduler:
     """Schedules FSDP2 unshards for every unit under its roots; create it with :func:`attach`."""
 
@@ -183,7 +193,7 @@ class PrefetchScheduler:
         Returns:
             Its ``(unit FQN, phase)`` sequence, or None if no order of ``key`` is installed.
         """
-        order = self._orders.get(key)
+        order = self._orders.get(_checked_key(key, "recorded_order"))
         return order.as_list() if order is not None else None
 
     def explain(self, key: str = "train") -> ExplainReport:
@@ -196,7 +206,7 @@ class PrefetchScheduler:
         Raises:
             ValueError: no scope of ``key`` has finished yet (the message lists the keys that have).
         """
-        finished = self._scopes.finished.get(key)
+        finished = self._scopes.finished.get(_checked_key(key, "explain"))
         if finished is None:
             known = ", ".join(repr(k) for k in self._scopes.finished) or "none yet"
             raise ValueError(f"explain({key!r}): no scope of that key has finished; keys with a finished scope: {known}")
@@ -204,7 +214,7 @@ class PrefetchScheduler:
 
     def prefetch_depth(self, key: str = "train") -> tuple[int, int]:
         """The ``(forward, backward)`` depth the next scope of ``key`` runs with (``"auto"`` adapts it)."""
-        return tuple(self._depths.of(key))
+        return tuple(self._depths.of(_checked_key(key, "prefetch_depth")))
 
     def set_max_prefetch_bytes(self, max_bytes: int | None) -> None:
         """Change the byte cap from the next refill on (an ``"auto"`` depth re-learns what it allows).
@@ -225,7 +235,7 @@ class PrefetchScheduler:
         .. note::
             Called inside a scope that replays a dropped order, the scope finishes demand-only.
         """
-        for k in self._orders.keys() if key is None else [key]:
+        for k in self._orders.keys() if key is None else [_checked_key(key, "invalidate")]:
             self._orders.drop(k, reason="invalidate() was called")
         scope = self._scopes.open
         if scope is not None and scope.strategy.mode is ScopeMode.replay and scope.key not in self._orders:

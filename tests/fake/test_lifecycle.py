@@ -94,12 +94,17 @@ def test_malformed_state_dicts_and_a_rerecord_that_is_not_a_bool_get_one_clear_e
         with sched.iteration("train", rerecord="false"):
             pass
     assert sched.stats.recordings == 1
+    for read in (sched.recorded_order, sched.explain, sched.prefetch_depth, sched.invalidate):
+        with pytest.raises(ValueError, match=rf"{read.__name__}\(key=...\) must be a string.*got 5"):
+            read(5)
 
 
 def test_attach_accepts_a_mapping_and_validates_it(mesh8):
     w, model = _sharded(mesh8)
     with pytest.raises(ValueError, match="forward_prefetch must be an integer >= 0"):
         attach(model, {"forward_prefetch": -1})
+    with pytest.raises(ValueError, match="no field.* 'bogus'; valid fields are mode, forward_prefetch"):
+        attach(model, {"bogus": 1})
     assert attach(model, {"mode": "demand"}).mode.name == "demand"
 
 
