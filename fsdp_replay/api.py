@@ -107,7 +107,7 @@ def _validated(config: PrefetchConfig | Mapping[str, Any] | None) -> PrefetchCon
     if isinstance(config, Mapping):
         if unknown := sorted(set(config) - {f.name for f in dataclasses.fields(PrefetchConfig)}):
             valid = ", ".join(f.name for f in dataclasses.fields(PrefetchConfig))
-            raise ValueError(f"the prefetch config has no field(s) {', '.join(map(repr, unknown))}; valid fields are {valid}")
+            raise TypeError(f"the prefetch config has no field(s) {', '.join(map(repr, unknown))}; valid fields are {valid}")
         return PrefetchConfig(**config)
     if isinstance(config, PrefetchConfig):
         return dataclasses.replace(config)

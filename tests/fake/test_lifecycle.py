@@ -103,7 +103,7 @@ def test_attach_accepts_a_mapping_and_validates_it(mesh8):
     w, model = _sharded(mesh8)
     with pytest.raises(ValueError, match="forward_prefetch must be an integer >= 0"):
         attach(model, {"forward_prefetch": -1})
-    with pytest.raises(ValueError, match="no field.* 'bogus'; valid fields are mode, forward_prefetch"):
+    with pytest.raises(TypeError, match="no field.* 'bogus'; valid fields are mode, forward_prefetch"):
         attach(model, {"bogus": 1})
     assert attach(model, {"mode": "demand"}).mode.name == "demand"
 
